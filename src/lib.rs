@@ -1,0 +1,13 @@
+//! idemproxy: a forward idempotency proxy.
+//!
+//! The module tree is the architecture:
+//! - [`wire`]: bytes on the network (hyper server, pooled rustls client, header hygiene,
+//!   problem+json answers);
+//! - [`policy`]: decisions (route classification, identity, fingerprint, state machine,
+//!   reconciliation);
+//! - [`store`]: durable execution records behind one trait (redb, PostgreSQL);
+//! - [`proxy`]: the request lifecycle that ties the three together;
+//! - [`config`]: the YAML contract, validated once into the form the hot path uses.
+#![forbid(unsafe_code)]
+
+pub mod policy;

@@ -1,0 +1,1 @@
+//! Canonical request fingerprint (args_hash). Placeholder until implemented.

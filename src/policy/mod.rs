@@ -1,0 +1,6 @@
+//! Policy: what the proxy decides about a request, independent of how bytes move.
+//! Classification (route table), identity, fingerprint, the execution state machine and
+//! reconciliation each live in their own module.
+
+pub mod fingerprint;
+pub mod identity;
