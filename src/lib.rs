@@ -11,3 +11,4 @@
 #![forbid(unsafe_code)]
 
 pub mod policy;
+pub mod store;

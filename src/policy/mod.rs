@@ -4,3 +4,4 @@
 
 pub mod fingerprint;
 pub mod identity;
+pub mod state;

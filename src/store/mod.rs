@@ -1,0 +1,95 @@
+//! Durable execution records behind one trait. The proxy talks only to [`Store`]; redb
+//! (single instance, embedded) and PostgreSQL (many instances) implement it with the same
+//! guarantees: `claim` is one atomic step, every `update` is a compare-and-set on the
+//! record's `version` (the fencing token), and a returned `Ok` means the write is durable.
+
+pub mod record;
+pub mod redb;
+
+use async_trait::async_trait;
+
+pub use record::{Approval, HistoryEntry, Lease, NewRecord, Record, StoredResponse};
+
+use crate::policy::identity::ExecutionId;
+use crate::policy::state::State;
+
+/// Result of trying to take ownership of a new execution.
+#[derive(Debug)]
+pub enum Claim {
+    /// No record existed: this one is now stored (durably) and owned by the caller.
+    Claimed(Record),
+    /// A record with that id already exists; nothing was written.
+    Existing(Record),
+}
+
+/// Which records a listing returns, in execution-id order after `after`.
+#[derive(Clone, Debug, Default)]
+pub struct ListFilter {
+    pub status: Option<State>,
+    pub operation: Option<String>,
+    /// Exclusive cursor: the last id of the previous page.
+    pub after: Option<ExecutionId>,
+    pub limit: usize,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The stored version differs from the one the caller read: someone else wrote first
+    /// (another request, an operator, or the instance that took over an expired lease).
+    #[error("record {id} changed concurrently (expected version {expected}, found {found})")]
+    Conflict {
+        id: ExecutionId,
+        expected: u64,
+        found: u64,
+    },
+    #[error("no execution record {0}")]
+    NotFound(ExecutionId),
+    /// A storage failure. For redb this is sticky: after one, the store refuses all
+    /// further writes so a half-applied state can never lead to a double execution.
+    #[error("store failure: {0}")]
+    Backend(String),
+    #[error("stored record {id} is unreadable: {reason}")]
+    Corrupt { id: String, reason: String },
+}
+
+pub type StoreResult<T> = Result<T, StoreError>;
+
+/// The durable record store. Implementations must make every successful write durable
+/// (fsync'd or committed) before returning.
+#[async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// Atomically insert `record` unless a record with the same id exists.
+    async fn claim(&self, record: Record) -> StoreResult<Claim>;
+
+    /// The current record, if any.
+    async fn get(&self, id: &ExecutionId) -> StoreResult<Option<Record>>;
+
+    /// Compare-and-set: store `record` if the stored version equals `record.version`,
+    /// bumping the version. Returns the record as stored. A mismatch is
+    /// [`StoreError::Conflict`] and writes nothing.
+    async fn update(&self, record: Record) -> StoreResult<Record>;
+
+    /// A page of records matching the filter, ordered by execution id.
+    async fn list(&self, filter: &ListFilter) -> StoreResult<Vec<Record>>;
+
+    /// Records in `executing` whose lease expired before `now_ms` (all of them when
+    /// `now_ms` is `i64::MAX`), at most `limit`.
+    async fn stale_executing(&self, now_ms: i64, limit: usize) -> StoreResult<Vec<Record>>;
+
+    /// Extend the lease of every `executing` record owned by `owner` to `until_ms`.
+    /// Returns how many were renewed.
+    async fn renew_leases(&self, owner: &str, until_ms: i64) -> StoreResult<u64>;
+
+    /// Delete up to `limit` records whose retention ended before `now_ms` and that are not
+    /// `executing` (an executing record is never deleted under its owner). Returns the count.
+    async fn gc(&self, now_ms: i64, limit: usize) -> StoreResult<u64>;
+}
+
+/// Milliseconds since the Unix epoch: records outlive processes, so they carry wall time.
+pub fn now_ms() -> i64 {
+    use std::time::{SystemTime, UNIX_EPOCH};
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}

@@ -1,0 +1,326 @@
+//! The execution record: everything SPEC section 6 says a record holds. Its state can
+//! only change through [`Record::apply`], which asks the state machine first.
+
+use base64::Engine as _;
+use serde::{Deserialize, Serialize};
+
+use crate::policy::identity::{ArgsHash, ExecutionId, TenantScope};
+use crate::policy::state::{transition, Event, IllegalTransition, State};
+
+/// The downstream's answer as stored for replay (hop-by-hop headers already removed).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoredResponse {
+    pub status: u16,
+    /// Header name (lower-case) and raw value bytes, in the order received.
+    #[serde(with = "header_list")]
+    pub headers: Vec<(String, Vec<u8>)>,
+    #[serde(with = "b64")]
+    pub body: Vec<u8>,
+}
+
+/// An approval bound to exact arguments.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Approval {
+    pub args_hash: ArgsHash,
+    pub by: String,
+    pub at_ms: i64,
+    #[serde(default)]
+    pub expires_at_ms: Option<i64>,
+}
+
+/// Ownership of an `executing` record.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Lease {
+    pub owner: String,
+    pub expires_at_ms: i64,
+}
+
+/// One state change, kept for audit (`records show`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HistoryEntry {
+    pub at_ms: i64,
+    pub from: State,
+    pub event: Event,
+    pub to: State,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Record {
+    pub id: ExecutionId,
+    /// Fencing token: bumped by the store on every write; updates are compare-and-set on it.
+    pub version: u64,
+    state: State,
+    pub tenant: TenantScope,
+    pub upstream: String,
+    pub route: String,
+    pub tool_version: String,
+    /// Parent operation (from the trusted operation header), for cancellation.
+    #[serde(default)]
+    pub operation_id: Option<String>,
+    pub args_hash: ArgsHash,
+    pub method: String,
+    /// Path relative to the mount, and the raw query, as first received.
+    pub path: String,
+    #[serde(default)]
+    pub query: Option<String>,
+    /// Template parameters matched from the route path (for reconcile templates).
+    #[serde(default)]
+    pub path_params: Vec<(String, String)>,
+    /// Values picked from the body for approvals (configured pointers only).
+    #[serde(default)]
+    pub preview: Option<serde_json::Value>,
+    #[serde(default)]
+    pub approval: Option<Approval>,
+    #[serde(default)]
+    pub lease: Option<Lease>,
+    /// Times the request was sent downstream.
+    pub attempts: u32,
+    pub created_at_ms: i64,
+    pub updated_at_ms: i64,
+    #[serde(default)]
+    pub started_at_ms: Option<i64>,
+    #[serde(default)]
+    pub committed_at_ms: Option<i64>,
+    #[serde(default)]
+    pub delivered_at_ms: Option<i64>,
+    /// Retention: the record may be deleted after this instant.
+    pub expires_at_ms: i64,
+    /// The downstream's own id for the effect (e.g. `msg_912`), when it returned one.
+    #[serde(default)]
+    pub external_id: Option<String>,
+    #[serde(default)]
+    pub response: Option<StoredResponse>,
+    /// Why the record is where it is (error text without argument values).
+    #[serde(default)]
+    pub note: Option<String>,
+    #[serde(default)]
+    pub history: Vec<HistoryEntry>,
+}
+
+/// Everything needed to create a record; the store assigns nothing but the version.
+pub struct NewRecord {
+    pub id: ExecutionId,
+    pub tenant: TenantScope,
+    pub upstream: String,
+    pub route: String,
+    pub tool_version: String,
+    pub operation_id: Option<String>,
+    pub args_hash: ArgsHash,
+    pub method: String,
+    pub path: String,
+    pub query: Option<String>,
+    pub path_params: Vec<(String, String)>,
+    pub preview: Option<serde_json::Value>,
+    pub now_ms: i64,
+    pub expires_at_ms: i64,
+}
+
+impl Record {
+    /// A fresh record in `prepared`.
+    pub fn new(n: NewRecord) -> Record {
+        Record {
+            id: n.id,
+            version: 0,
+            state: State::Prepared,
+            tenant: n.tenant,
+            upstream: n.upstream,
+            route: n.route,
+            tool_version: n.tool_version,
+            operation_id: n.operation_id,
+            args_hash: n.args_hash,
+            method: n.method,
+            path: n.path,
+            query: n.query,
+            path_params: n.path_params,
+            preview: n.preview,
+            approval: None,
+            lease: None,
+            attempts: 0,
+            created_at_ms: n.now_ms,
+            updated_at_ms: n.now_ms,
+            started_at_ms: None,
+            committed_at_ms: None,
+            delivered_at_ms: None,
+            expires_at_ms: n.expires_at_ms,
+            external_id: None,
+            response: None,
+            note: None,
+            history: Vec::new(),
+        }
+    }
+
+    pub fn state(&self) -> State {
+        self.state
+    }
+
+    /// The only writer of `state`: validates the move, then updates the bookkeeping that
+    /// belongs to it (timestamps, attempts, lease, history).
+    pub fn apply(
+        &mut self,
+        event: Event,
+        now_ms: i64,
+        note: Option<String>,
+    ) -> Result<(), IllegalTransition> {
+        let from = self.state;
+        let to = transition(from, event)?;
+        self.state = to;
+        self.updated_at_ms = now_ms;
+        match to {
+            State::Executing => {
+                self.attempts += 1;
+                self.started_at_ms.get_or_insert(now_ms);
+            }
+            State::Committed => {
+                self.committed_at_ms = Some(now_ms);
+            }
+            State::ResultDelivered => {
+                self.delivered_at_ms.get_or_insert(now_ms);
+            }
+            _ => {}
+        }
+        if to != State::Executing {
+            self.lease = None;
+        }
+        self.note = note.clone();
+        self.history.push(HistoryEntry {
+            at_ms: now_ms,
+            from,
+            event,
+            to,
+            note,
+        });
+        Ok(())
+    }
+
+    /// Serialized form used by every store (JSON: readable with standard tools).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("a record always serializes: all fields are plain data")
+    }
+
+    pub fn from_bytes(id: &str, bytes: &[u8]) -> Result<Record, super::StoreError> {
+        serde_json::from_slice(bytes).map_err(|e| super::StoreError::Corrupt {
+            id: id.to_string(),
+            reason: e.to_string(),
+        })
+    }
+}
+
+mod b64 {
+    use super::*;
+    pub fn serialize<S: serde::Serializer>(v: &[u8], s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&base64::engine::general_purpose::STANDARD.encode(v))
+    }
+    pub fn deserialize<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
+        let s = String::deserialize(d)?;
+        base64::engine::general_purpose::STANDARD
+            .decode(s)
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+/// Header values are bytes; store them as text when they are, base64 otherwise.
+mod header_list {
+    use super::*;
+
+    #[derive(Serialize, Deserialize)]
+    struct H {
+        n: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        v: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        b: Option<String>,
+    }
+
+    pub fn serialize<S: serde::Serializer>(
+        v: &[(String, Vec<u8>)],
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        let list: Vec<H> = v
+            .iter()
+            .map(|(n, val)| match std::str::from_utf8(val) {
+                Ok(t) => H {
+                    n: n.clone(),
+                    v: Some(t.to_string()),
+                    b: None,
+                },
+                Err(_) => H {
+                    n: n.clone(),
+                    v: None,
+                    b: Some(base64::engine::general_purpose::STANDARD.encode(val)),
+                },
+            })
+            .collect();
+        list.serialize(s)
+    }
+
+    pub fn deserialize<'de, D: serde::Deserializer<'de>>(
+        d: D,
+    ) -> Result<Vec<(String, Vec<u8>)>, D::Error> {
+        let list = Vec::<H>::deserialize(d)?;
+        list.into_iter()
+            .map(|h| match (h.v, h.b) {
+                (Some(t), _) => Ok((h.n, t.into_bytes())),
+                (None, Some(b)) => base64::engine::general_purpose::STANDARD
+                    .decode(b)
+                    .map(|v| (h.n, v))
+                    .map_err(serde::de::Error::custom),
+                (None, None) => Ok((h.n, Vec::new())),
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(crate) fn sample() -> Record {
+        Record::new(NewRecord {
+            id: ExecutionId("ex_test".into()),
+            tenant: TenantScope("t".into()),
+            upstream: "mail".into(),
+            route: "send_email".into(),
+            tool_version: "v1".into(),
+            operation_id: Some("op_1".into()),
+            args_hash: ArgsHash("ab".into()),
+            method: "POST".into(),
+            path: "/send".into(),
+            query: None,
+            path_params: vec![],
+            preview: None,
+            now_ms: 1,
+            expires_at_ms: 100,
+        })
+    }
+
+    #[test]
+    fn apply_tracks_attempts_and_refuses_illegal_moves() {
+        let mut r = sample();
+        r.apply(Event::Start, 2, None)
+            .expect("prepared -> executing");
+        assert_eq!(r.attempts, 1);
+        r.apply(Event::Commit, 3, None)
+            .expect("executing -> committed");
+        let err = r.apply(Event::FailBeforeCommit, 4, None).unwrap_err();
+        assert_eq!(err.from, State::Committed);
+        assert_eq!(r.state(), State::Committed, "state unchanged after refusal");
+        assert_eq!(r.history.len(), 2);
+    }
+
+    #[test]
+    fn round_trips_binary_headers_and_body() {
+        let mut r = sample();
+        r.response = Some(StoredResponse {
+            status: 201,
+            headers: vec![
+                ("x-a".into(), b"text".to_vec()),
+                ("x-b".into(), vec![0xff, 0]),
+            ],
+            body: vec![0, 1, 2, 255],
+        });
+        let back = Record::from_bytes("ex_test", &r.to_bytes()).expect("decodes");
+        assert_eq!(back, r);
+    }
+}

@@ -1,0 +1,1 @@
+//! redb store (placeholder).
