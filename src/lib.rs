@@ -10,5 +10,6 @@
 //! - [`config`]: the YAML contract, validated once into the form the hot path uses.
 #![forbid(unsafe_code)]
 
+pub mod config;
 pub mod policy;
 pub mod store;

@@ -1,0 +1,329 @@
+//! Configuration: the YAML contract (SPEC section 3) parsed by [`raw`], then validated
+//! once by [`resolve`] into [`Config`], the form the hot path uses without re-checking.
+//! Every problem names the file, the YAML path and what was expected; all problems in a
+//! file are reported together.
+
+pub mod raw;
+mod resolve;
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use http::{HeaderName, Method};
+
+use crate::policy::classify::RouteTable;
+use crate::policy::fingerprint::FingerprintSpec;
+
+pub use resolve::from_yaml;
+
+/// Default config path for `serve`.
+pub const DEFAULT_PATH: &str = "config/idemproxy.yaml";
+
+#[derive(Debug)]
+pub struct Config {
+    /// The file this was loaded from (for messages and SIGHUP reload).
+    pub source: PathBuf,
+    pub listen: SocketAddr,
+    pub admin: Option<AdminConfig>,
+    pub store: StoreConfig,
+    pub limits: Limits,
+    pub identity: IdentityConfig,
+    pub timeouts: Timeouts,
+    pub unmatched: Unmatched,
+    pub upstreams: Vec<Upstream>,
+    /// Mounts and routes compiled for matching.
+    pub routes: RouteTable,
+}
+
+#[derive(Debug, Clone)]
+pub struct AdminConfig {
+    pub listen: SocketAddr,
+    /// Environment variable holding the bearer token (never the token itself).
+    pub token_env: String,
+}
+
+#[derive(Debug, Clone)]
+pub enum StoreBackend {
+    Redb { path: PathBuf },
+    Postgres { url_env: String, schema: String },
+}
+
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    pub backend: StoreBackend,
+    /// Default retention for routes that do not set their own.
+    pub retention: Duration,
+    /// How long an `executing` record stays owned without renewal.
+    pub lease: Duration,
+    pub gc_interval: Duration,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub max_body_bytes: usize,
+    pub max_key_bytes: usize,
+    pub max_response_bytes: usize,
+}
+
+#[derive(Debug, Clone)]
+pub struct IdentityConfig {
+    pub key_header: HeaderName,
+    pub derive_from: Vec<HeaderName>,
+    pub tenant_from: Vec<HeaderName>,
+    /// The header naming the parent operation (cancellation). Defaults to the first
+    /// `derive_from` header.
+    pub operation_from: Option<HeaderName>,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct Timeouts {
+    pub connect: Duration,
+    pub request: Duration,
+    /// Longest a `concurrent: wait` duplicate is held before answering 409.
+    pub wait: Duration,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unmatched {
+    /// GET/HEAD/OPTIONS are read-only, everything else a side effect.
+    ByMethod,
+    /// 404 problem `route-unmatched`.
+    Reject,
+}
+
+#[derive(Debug)]
+pub struct Upstream {
+    pub name: String,
+    /// `http` or `https`.
+    pub scheme: http::uri::Scheme,
+    pub authority: http::uri::Authority,
+    /// Path prefix of the upstream URL (no trailing slash; empty for `/`).
+    pub base_path: String,
+    /// Proxy path prefix (no trailing slash; empty for `/`).
+    pub mount: String,
+    pub routes: Vec<Route>,
+    /// Used for requests under the mount that match no route (`unmatched: by_method`).
+    pub fallback_side_effect: Route,
+    pub fallback_read_only: Route,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Class {
+    SideEffect,
+    ReadOnly,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum On5xx {
+    OutcomeUnknown,
+    FailedBeforeCommit,
+    Committed,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Concurrent {
+    Reject,
+    Wait,
+}
+
+#[derive(Debug, Clone)]
+pub struct DownstreamKey {
+    pub header: HeaderName,
+    /// The downstream dedups keyed requests and replays the original answer, so
+    /// re-sending under the same key is safe (SPEC section 7, preference 1).
+    pub replays: bool,
+}
+
+#[derive(Debug, Clone)]
+pub struct Route {
+    pub name: String,
+    /// `None` matches any method.
+    pub method: Option<Method>,
+    pub path: String,
+    pub class: Class,
+    pub tool_version: String,
+    pub key_required: bool,
+    pub downstream_key: Option<DownstreamKey>,
+    pub fingerprint: FingerprintSpec,
+    pub on_5xx: On5xx,
+    pub concurrent: Concurrent,
+    pub reconcile: Option<ReconcileSpec>,
+    pub approval: Option<ApprovalSpec>,
+    pub retention: Duration,
+    pub retry: RetrySpec,
+    pub timeout: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub struct ReconcileSpec {
+    pub method: Method,
+    /// Path (and query) template relative to the upstream, with `{execution_id}`, `{key}`
+    /// and route path parameters.
+    pub path: String,
+    pub headers: Vec<(HeaderName, String)>,
+    pub found: Matcher,
+    pub not_found: Matcher,
+    /// JSON pointer to the downstream's id in the found answer.
+    pub external_id: Option<String>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct Matcher {
+    pub status: Option<u16>,
+    pub json_nonempty: Option<String>,
+    pub json_empty: Option<String>,
+}
+
+#[derive(Debug, Clone)]
+pub struct ApprovalSpec {
+    pub required: bool,
+    pub preview: Vec<String>,
+    pub expires: Option<Duration>,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct RetrySpec {
+    /// Total tries including the first (1 = no retry).
+    pub attempts: u32,
+    pub backoff: Duration,
+}
+
+/// One problem in a config file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Issue {
+    /// YAML path such as `upstreams[0].routes[1].on_5xx` (empty for the whole file).
+    pub path: String,
+    pub line: Option<usize>,
+    pub message: String,
+}
+
+/// A config file that cannot be used, with every problem found in it.
+#[derive(Debug)]
+pub struct ConfigError {
+    pub file: PathBuf,
+    pub issues: Vec<Issue>,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let file = self.file.display();
+        for (i, issue) in self.issues.iter().enumerate() {
+            if i > 0 {
+                writeln!(f)?;
+            }
+            write!(f, "{file}")?;
+            if let Some(line) = issue.line {
+                write!(f, ":{line}")?;
+            }
+            if !issue.path.is_empty() {
+                write!(f, ": {}", issue.path)?;
+            }
+            write!(f, ": {}", issue.message)?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+impl Config {
+    /// Read and validate a config file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+            file: path.to_path_buf(),
+            issues: vec![Issue {
+                path: String::new(),
+                line: None,
+                message: format!("cannot read file: {e}"),
+            }],
+        })?;
+        from_yaml(&text, path)
+    }
+
+    /// The route table as `idemproxy check` prints it.
+    pub fn describe(&self) -> String {
+        use std::fmt::Write as _;
+        let mut out = String::new();
+        let _ = writeln!(out, "listen {}", self.listen);
+        if let Some(a) = &self.admin {
+            let _ = writeln!(out, "admin  {} (token from ${})", a.listen, a.token_env);
+        }
+        match &self.store.backend {
+            StoreBackend::Redb { path } => {
+                let _ = writeln!(out, "store  redb {}", path.display());
+            }
+            StoreBackend::Postgres { url_env, schema } => {
+                let _ = writeln!(out, "store  postgres (url from ${url_env}, schema {schema})");
+            }
+        }
+        let _ = writeln!(
+            out,
+            "{:<8} {:<32} {:<12} {:<20} {:<5} details",
+            "METHOD", "PATH", "CLASS", "UPSTREAM/ROUTE", "KEY"
+        );
+        for up in &self.upstreams {
+            for r in &up.routes {
+                let method = r.method.as_ref().map(|m| m.as_str()).unwrap_or("*");
+                let path = format!("{}{}", up.mount, r.path);
+                let class = match r.class {
+                    Class::SideEffect => "side_effect",
+                    Class::ReadOnly => "read_only",
+                };
+                let key = match (r.class, r.key_required) {
+                    (Class::ReadOnly, _) => "-",
+                    (_, true) => "req",
+                    (_, false) => "opt",
+                };
+                let mut details = Vec::new();
+                if r.class == Class::SideEffect {
+                    details.push(format!("tool={}:{}", r.name, r.tool_version));
+                    details.push(match &r.downstream_key {
+                        Some(k) => format!("downstream_key={}{}", k.header, if k.replays { "(replays)" } else { "" }),
+                        None => "downstream_key=none".into(),
+                    });
+                    details.push(format!("on_5xx={:?}", r.on_5xx).to_lowercase());
+                    details.push(format!("concurrent={:?}", r.concurrent).to_lowercase());
+                    if r.reconcile.is_some() {
+                        details.push("reconcile".into());
+                    }
+                    if r.approval.as_ref().is_some_and(|a| a.required) {
+                        details.push("approval".into());
+                    }
+                    details.push(format!("retention={}", humantime::format_duration(r.retention)));
+                } else if r.retry.attempts > 1 {
+                    details.push(format!("retry={}x{}ms", r.retry.attempts, r.retry.backoff.as_millis()));
+                }
+                let _ = writeln!(
+                    out,
+                    "{:<8} {:<32} {:<12} {:<20} {:<5} {}",
+                    method,
+                    path,
+                    class,
+                    format!("{}/{}", up.name, r.name),
+                    key,
+                    details.join(" ")
+                );
+            }
+            let _ = writeln!(
+                out,
+                "{:<8} {:<32} {:<12} {:<20} -> {}://{}{}",
+                "",
+                format!("{}/**", up.mount),
+                match self.unmatched {
+                    Unmatched::ByMethod => "by_method",
+                    Unmatched::Reject => "reject",
+                },
+                format!("{}/*", up.name),
+                up.scheme,
+                up.authority,
+                up.base_path
+            );
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests;

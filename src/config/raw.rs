@@ -1,0 +1,166 @@
+//! The YAML file as written: serde structs that reject unknown keys. Nothing here is
+//! trusted yet; [`super::resolve`] turns it into the validated [`super::Config`].
+
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawConfig {
+    pub listen: Option<String>,
+    pub admin: Option<RawAdmin>,
+    #[serde(default)]
+    pub store: RawStore,
+    #[serde(default)]
+    pub limits: RawLimits,
+    #[serde(default)]
+    pub identity: RawIdentity,
+    pub unmatched: Option<String>,
+    #[serde(default)]
+    pub timeouts: RawTimeouts,
+    #[serde(default)]
+    pub upstreams: Vec<RawUpstream>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawAdmin {
+    pub listen: Option<String>,
+    pub token_env: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawStore {
+    pub backend: Option<String>,
+    pub path: Option<String>,
+    pub url_env: Option<String>,
+    pub schema: Option<String>,
+    pub retention: Option<String>,
+    pub lease: Option<String>,
+    pub gc_interval: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawLimits {
+    pub max_body_bytes: Option<u64>,
+    pub max_key_bytes: Option<u64>,
+    pub max_response_bytes: Option<u64>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawIdentity {
+    pub key_header: Option<String>,
+    pub derive_from: Option<Vec<String>>,
+    pub tenant_from: Option<Vec<String>>,
+    pub operation_from: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTimeouts {
+    pub connect: Option<String>,
+    pub request: Option<String>,
+    pub wait: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawUpstream {
+    pub name: Option<String>,
+    pub url: Option<String>,
+    pub mount: Option<String>,
+    pub timeout: Option<String>,
+    #[serde(default)]
+    pub routes: Vec<RawRoute>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRoute {
+    pub name: Option<String>,
+    #[serde(rename = "match")]
+    pub matcher: Option<RawMatch>,
+    pub class: Option<String>,
+    pub tool_version: Option<String>,
+    pub key_required: Option<bool>,
+    pub downstream_key: Option<RawDownstreamKey>,
+    pub fingerprint: Option<RawFingerprint>,
+    pub on_5xx: Option<String>,
+    pub concurrent: Option<String>,
+    pub reconcile: Option<RawReconcile>,
+    pub approval: Option<RawApproval>,
+    pub retention: Option<String>,
+    pub retry: Option<RawRetry>,
+    pub timeout: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawMatch {
+    pub method: Option<String>,
+    pub path: Option<String>,
+}
+
+/// `downstream_key: none` or `{ header: ..., replays: ... }`.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum RawDownstreamKey {
+    Word(String),
+    Spec(RawDownstreamKeySpec),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawDownstreamKeySpec {
+    pub header: Option<String>,
+    pub replays: Option<bool>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawFingerprint {
+    #[serde(default)]
+    pub ignore_json: Vec<String>,
+    #[serde(default)]
+    pub headers: Vec<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawReconcile {
+    pub method: Option<String>,
+    pub path: Option<String>,
+    #[serde(default)]
+    pub headers: BTreeMap<String, String>,
+    pub found: Option<RawMatcher>,
+    pub not_found: Option<RawMatcher>,
+    pub external_id: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawMatcher {
+    pub status: Option<u16>,
+    pub json_nonempty: Option<String>,
+    pub json_empty: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawApproval {
+    pub required: Option<bool>,
+    #[serde(default)]
+    pub preview: Vec<String>,
+    pub expires: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRetry {
+    pub attempts: Option<u32>,
+    pub backoff_ms: Option<u64>,
+}

@@ -1,0 +1,581 @@
+//! Validation: [`RawConfig`] → [`Config`]. Collects every problem with its YAML path
+//! before failing, so one `idemproxy check` run shows everything that is wrong.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::time::Duration;
+
+use http::{HeaderName, Method};
+
+use super::raw::*;
+use super::*;
+use crate::policy::classify::RouteTable;
+use crate::policy::fingerprint::{validate_pointer, FingerprintSpec};
+
+/// Parse and validate YAML text; `file` is only used in messages.
+pub fn from_yaml(text: &str, file: &Path) -> Result<Config, ConfigError> {
+    let de = serde_yaml_ng::Deserializer::from_str(text);
+    let raw: RawConfig = serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        let line = inner.location().map(|l| l.line());
+        ConfigError {
+            file: file.to_path_buf(),
+            issues: vec![Issue {
+                path: if path == "." { String::new() } else { path },
+                line,
+                message: strip_location(&inner.to_string()),
+            }],
+        }
+    })?;
+    let mut v = Validator {
+        issues: Vec::new(),
+        base_dir: file.parent().map(Path::to_path_buf).unwrap_or_default(),
+    };
+    let cfg = v.config(raw, file);
+    match cfg {
+        Some(cfg) if v.issues.is_empty() => Ok(cfg),
+        _ => Err(ConfigError {
+            file: file.to_path_buf(),
+            issues: v.issues,
+        }),
+    }
+}
+
+/// serde_yaml_ng appends " at line L column C"; we print the line ourselves.
+fn strip_location(msg: &str) -> String {
+    match msg.rfind(" at line ") {
+        Some(i) => msg[..i].to_string(),
+        None => msg.to_string(),
+    }
+}
+
+struct Validator {
+    issues: Vec<Issue>,
+    #[allow(dead_code)]
+    base_dir: PathBuf,
+}
+
+const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
+
+impl Validator {
+    fn err(&mut self, path: impl Into<String>, message: impl Into<String>) {
+        self.issues.push(Issue {
+            path: path.into(),
+            line: None,
+            message: message.into(),
+        });
+    }
+
+    fn addr(&mut self, path: &str, v: Option<&str>, default: &str) -> SocketAddr {
+        let s = v.unwrap_or(default);
+        match s.parse() {
+            Ok(a) => a,
+            Err(_) => {
+                self.err(path, format!("expected a socket address like 127.0.0.1:8080, found `{s}`"));
+                default.parse().expect("default addresses are valid")
+            }
+        }
+    }
+
+    fn duration(&mut self, path: &str, v: Option<&str>, default: Duration) -> Duration {
+        match v {
+            None => default,
+            Some(s) => match humantime::parse_duration(s) {
+                Ok(d) if !d.is_zero() => d,
+                Ok(_) => {
+                    self.err(path, "expected a positive duration, found 0");
+                    default
+                }
+                Err(e) => {
+                    self.err(path, format!("expected a duration like 30s, 500ms or 24h, found `{s}` ({e})"));
+                    default
+                }
+            },
+        }
+    }
+
+    fn header(&mut self, path: &str, s: &str) -> Option<HeaderName> {
+        match HeaderName::from_str(s) {
+            Ok(h) => Some(h),
+            Err(_) => {
+                self.err(path, format!("`{s}` is not a valid HTTP header name"));
+                None
+            }
+        }
+    }
+
+    fn headers(&mut self, path: &str, list: &[String]) -> Vec<HeaderName> {
+        list.iter()
+            .enumerate()
+            .filter_map(|(i, s)| self.header(&format!("{path}[{i}]"), s))
+            .collect()
+    }
+
+    fn one_of<T: Copy>(&mut self, path: &str, v: Option<&str>, default: T, options: &[(&str, T)]) -> T {
+        let Some(s) = v else { return default };
+        match options.iter().find(|(name, _)| *name == s) {
+            Some((_, t)) => *t,
+            None => {
+                let names: Vec<_> = options.iter().map(|(n, _)| *n).collect();
+                self.err(path, format!("expected one of {}, found `{s}`", names.join(" | ")));
+                default
+            }
+        }
+    }
+
+    fn pointer(&mut self, path: &str, p: &str) {
+        if let Err(e) = validate_pointer(p) {
+            self.err(path, e);
+        }
+    }
+
+    fn config(&mut self, raw: RawConfig, file: &Path) -> Option<Config> {
+        let listen = self.addr("listen", raw.listen.as_deref(), DEFAULT_LISTEN);
+        let admin = raw.admin.map(|a| AdminConfig {
+            listen: self.addr("admin.listen", a.listen.as_deref(), "127.0.0.1:9090"),
+            token_env: a.token_env.unwrap_or_else(|| "IDEMPROXY_ADMIN_TOKEN".into()),
+        });
+        let store = self.store(raw.store);
+        let limits = self.limits(raw.limits);
+        let identity = self.identity(raw.identity);
+        let timeouts = Timeouts {
+            connect: self.duration("timeouts.connect", raw.timeouts.connect.as_deref(), Duration::from_secs(5)),
+            request: self.duration("timeouts.request", raw.timeouts.request.as_deref(), Duration::from_secs(30)),
+            wait: self.duration("timeouts.wait", raw.timeouts.wait.as_deref(), Duration::from_secs(30)),
+        };
+        let unmatched = self.one_of(
+            "unmatched",
+            raw.unmatched.as_deref(),
+            Unmatched::ByMethod,
+            &[("by_method", Unmatched::ByMethod), ("reject", Unmatched::Reject)],
+        );
+        let mut upstreams = Vec::new();
+        let mut names = std::collections::HashSet::new();
+        for (i, u) in raw.upstreams.into_iter().enumerate() {
+            let path = format!("upstreams[{i}]");
+            if let Some(up) = self.upstream(&path, u, &store, &timeouts) {
+                if !names.insert(up.name.clone()) {
+                    self.err(format!("{path}.name"), format!("duplicate upstream name `{}`", up.name));
+                }
+                upstreams.push(up);
+            }
+        }
+        if upstreams.is_empty() && self.issues.is_empty() {
+            self.err("upstreams", "at least one upstream is required");
+        }
+        let routes = match RouteTable::build(&upstreams) {
+            Ok(t) => t,
+            Err(issues) => {
+                self.issues.extend(issues);
+                return None;
+            }
+        };
+        Some(Config {
+            source: file.to_path_buf(),
+            listen,
+            admin,
+            store,
+            limits,
+            identity,
+            timeouts,
+            unmatched,
+            upstreams,
+            routes,
+        })
+    }
+
+    fn store(&mut self, s: RawStore) -> StoreConfig {
+        let backend = match s.backend.as_deref().unwrap_or("redb") {
+            "redb" => {
+                if s.url_env.is_some() {
+                    self.err("store.url_env", "only used with `backend: postgres`");
+                }
+                StoreBackend::Redb {
+                    path: PathBuf::from(s.path.unwrap_or_else(|| "data/idemproxy.redb".into())),
+                }
+            }
+            "postgres" => {
+                if s.path.is_some() {
+                    self.err("store.path", "only used with `backend: redb`");
+                }
+                let schema = s.schema.unwrap_or_else(|| "idemproxy".into());
+                if schema.is_empty()
+                    || !schema.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+                    || schema.starts_with(|c: char| c.is_ascii_digit())
+                {
+                    self.err("store.schema", format!("expected an SQL identifier (letters, digits, _), found `{schema}`"));
+                }
+                StoreBackend::Postgres {
+                    url_env: s.url_env.unwrap_or_else(|| "IDEMPROXY_POSTGRES_URL".into()),
+                    schema,
+                }
+            }
+            other => {
+                self.err("store.backend", format!("expected one of redb | postgres, found `{other}`"));
+                StoreBackend::Redb {
+                    path: PathBuf::from("data/idemproxy.redb"),
+                }
+            }
+        };
+        StoreConfig {
+            backend,
+            retention: self.duration("store.retention", s.retention.as_deref(), Duration::from_secs(24 * 3600)),
+            lease: self.duration("store.lease", s.lease.as_deref(), Duration::from_secs(30)),
+            gc_interval: self.duration("store.gc_interval", s.gc_interval.as_deref(), Duration::from_secs(60)),
+        }
+    }
+
+    fn limits(&mut self, l: RawLimits) -> Limits {
+        let mut get = |path: &str, v: Option<u64>, default: usize| -> usize {
+            match v {
+                None => default,
+                Some(0) => {
+                    self.err(path, "must be greater than 0");
+                    default
+                }
+                Some(n) => usize::try_from(n).unwrap_or(usize::MAX),
+            }
+        };
+        Limits {
+            max_body_bytes: get("limits.max_body_bytes", l.max_body_bytes, 1024 * 1024),
+            max_key_bytes: get("limits.max_key_bytes", l.max_key_bytes, 255),
+            max_response_bytes: get("limits.max_response_bytes", l.max_response_bytes, 16 * 1024 * 1024),
+        }
+    }
+
+    fn identity(&mut self, i: RawIdentity) -> IdentityConfig {
+        let key_header = self
+            .header("identity.key_header", i.key_header.as_deref().unwrap_or("Idempotency-Key"))
+            .unwrap_or(HeaderName::from_static("idempotency-key"));
+        let derive_from = self.headers("identity.derive_from", &i.derive_from.unwrap_or_default());
+        let tenant_from = self.headers(
+            "identity.tenant_from",
+            &i.tenant_from.unwrap_or_else(|| vec!["Authorization".into()]),
+        );
+        let operation_from = match i.operation_from {
+            Some(h) => self.header("identity.operation_from", &h),
+            None => derive_from.first().cloned(),
+        };
+        IdentityConfig {
+            key_header,
+            derive_from,
+            tenant_from,
+            operation_from,
+        }
+    }
+
+    fn upstream(&mut self, path: &str, u: RawUpstream, store: &StoreConfig, t: &Timeouts) -> Option<Upstream> {
+        let name = match u.name {
+            Some(n) if is_name(&n) => n,
+            Some(n) => {
+                self.err(format!("{path}.name"), format!("expected a name of letters, digits, - and _, found `{n}`"));
+                n
+            }
+            None => {
+                self.err(format!("{path}.name"), "missing (every upstream needs a name)");
+                String::from("?")
+            }
+        };
+        let (scheme, authority, base_path) = match u.url.as_deref() {
+            None => {
+                self.err(format!("{path}.url"), "missing (e.g. https://api.example.com)");
+                return None;
+            }
+            Some(s) => match http::Uri::from_str(s) {
+                Ok(uri)
+                    if matches!(uri.scheme_str(), Some("http") | Some("https"))
+                        && uri.authority().is_some()
+                        && uri.query().is_none() =>
+                {
+                    let parts = uri.into_parts();
+                    let base = parts
+                        .path_and_query
+                        .map(|p| p.path().trim_end_matches('/').to_string())
+                        .unwrap_or_default();
+                    (
+                        parts.scheme.expect("checked above"),
+                        parts.authority.expect("checked above"),
+                        base,
+                    )
+                }
+                _ => {
+                    self.err(
+                        format!("{path}.url"),
+                        format!("expected an absolute http:// or https:// URL without query, found `{s}`"),
+                    );
+                    return None;
+                }
+            },
+        };
+        let mount = match u.mount.as_deref() {
+            None => format!("/{name}"),
+            Some(m) if m.starts_with('/') && !m.contains(['?', '#', '{', '}']) => m.trim_end_matches('/').to_string(),
+            Some(m) => {
+                self.err(format!("{path}.mount"), format!("expected a path prefix starting with /, found `{m}`"));
+                String::new()
+            }
+        };
+        let timeout = self.duration(&format!("{path}.timeout"), u.timeout.as_deref(), t.request);
+        let mut routes = Vec::new();
+        let mut route_names = std::collections::HashSet::new();
+        for (i, r) in u.routes.into_iter().enumerate() {
+            let rp = format!("{path}.routes[{i}]");
+            if let Some(route) = self.route(&rp, r, store, timeout) {
+                if !route_names.insert(route.name.clone()) {
+                    self.err(format!("{rp}.name"), format!("duplicate route name `{}` in upstream `{name}`", route.name));
+                }
+                routes.push(route);
+            }
+        }
+        let fallback = |class: Class, name: &str| Route {
+            name: name.into(),
+            method: None,
+            path: "/**".into(),
+            class,
+            tool_version: "v0".into(),
+            key_required: false,
+            downstream_key: Some(DownstreamKey {
+                header: HeaderName::from_static("idempotency-key"),
+                replays: false,
+            }),
+            fingerprint: FingerprintSpec::default(),
+            on_5xx: On5xx::OutcomeUnknown,
+            concurrent: Concurrent::Reject,
+            reconcile: None,
+            approval: None,
+            retention: store.retention,
+            retry: RetrySpec {
+                attempts: 1,
+                backoff: Duration::from_millis(50),
+            },
+            timeout,
+        };
+        Some(Upstream {
+            fallback_side_effect: fallback(Class::SideEffect, "unmatched"),
+            fallback_read_only: fallback(Class::ReadOnly, "unmatched_read"),
+            name,
+            scheme,
+            authority,
+            base_path,
+            mount,
+            routes,
+        })
+    }
+
+    fn route(&mut self, path: &str, r: RawRoute, store: &StoreConfig, timeout: Duration) -> Option<Route> {
+        let name = match r.name {
+            Some(n) if is_name(&n) => n,
+            Some(n) => {
+                self.err(format!("{path}.name"), format!("expected a name of letters, digits, - and _, found `{n}`"));
+                n
+            }
+            None => {
+                self.err(format!("{path}.name"), "missing (the tool name, e.g. send_email)");
+                "?".into()
+            }
+        };
+        let Some(m) = r.matcher else {
+            self.err(format!("{path}.match"), "missing (e.g. { method: POST, path: /send })");
+            return None;
+        };
+        let method = match m.method.as_deref() {
+            None | Some("*") | Some("ANY") => None,
+            Some(s) => match Method::from_bytes(s.as_bytes()) {
+                Ok(m) if s.chars().all(|c| c.is_ascii_uppercase()) => Some(m),
+                _ => {
+                    self.err(format!("{path}.match.method"), format!("expected an upper-case HTTP method or *, found `{s}`"));
+                    None
+                }
+            },
+        };
+        let rpath = match m.path {
+            Some(p) if p.starts_with('/') && !p.contains('?') => p,
+            Some(p) => {
+                self.err(format!("{path}.match.path"), format!("expected a path template starting with / (no query), found `{p}`"));
+                return None;
+            }
+            None => {
+                self.err(format!("{path}.match.path"), "missing (e.g. /v1/customers/{id})");
+                return None;
+            }
+        };
+        let default_class = match &method {
+            Some(m) if matches!(*m, Method::GET | Method::HEAD | Method::OPTIONS) => Class::ReadOnly,
+            _ => Class::SideEffect,
+        };
+        let class = match r.class.as_deref() {
+            None => default_class,
+            Some("side_effect") => Class::SideEffect,
+            Some("read_only") => Class::ReadOnly,
+            Some("webhook") => {
+                self.err(format!("{path}.class"), "`webhook` routes are not supported by this version (expected side_effect | read_only)");
+                Class::SideEffect
+            }
+            Some(other) => {
+                self.err(format!("{path}.class"), format!("expected one of side_effect | read_only, found `{other}`"));
+                Class::SideEffect
+            }
+        };
+        let downstream_key = match r.downstream_key {
+            None => Some(DownstreamKey {
+                header: HeaderName::from_static("idempotency-key"),
+                replays: false,
+            }),
+            Some(RawDownstreamKey::Word(w)) if w == "none" => None,
+            Some(RawDownstreamKey::Word(w)) => {
+                self.err(format!("{path}.downstream_key"), format!("expected `none` or {{ header, replays }}, found `{w}`"));
+                None
+            }
+            Some(RawDownstreamKey::Spec(s)) => {
+                let header = self
+                    .header(&format!("{path}.downstream_key.header"), s.header.as_deref().unwrap_or("Idempotency-Key"))
+                    .unwrap_or(HeaderName::from_static("idempotency-key"));
+                Some(DownstreamKey {
+                    header,
+                    replays: s.replays.unwrap_or(false),
+                })
+            }
+        };
+        let fp = r.fingerprint.unwrap_or_default();
+        for (i, p) in fp.ignore_json.iter().enumerate() {
+            self.pointer(&format!("{path}.fingerprint.ignore_json[{i}]"), p);
+        }
+        let fingerprint = FingerprintSpec {
+            ignore_json: fp.ignore_json.clone(),
+            headers: self.headers(&format!("{path}.fingerprint.headers"), &fp.headers),
+        };
+        let on_5xx = self.one_of(
+            &format!("{path}.on_5xx"),
+            r.on_5xx.as_deref(),
+            On5xx::OutcomeUnknown,
+            &[
+                ("outcome_unknown", On5xx::OutcomeUnknown),
+                ("failed_before_commit", On5xx::FailedBeforeCommit),
+                ("committed", On5xx::Committed),
+            ],
+        );
+        let concurrent = self.one_of(
+            &format!("{path}.concurrent"),
+            r.concurrent.as_deref(),
+            Concurrent::Reject,
+            &[("reject", Concurrent::Reject), ("wait", Concurrent::Wait)],
+        );
+        let reconcile = r.reconcile.and_then(|rc| self.reconcile(&format!("{path}.reconcile"), rc));
+        let approval = r.approval.map(|a| {
+            for (i, p) in a.preview.iter().enumerate() {
+                self.pointer(&format!("{path}.approval.preview[{i}]"), p);
+            }
+            ApprovalSpec {
+                required: a.required.unwrap_or(true),
+                expires: a.expires.as_deref().map(|e| self.duration(&format!("{path}.approval.expires"), Some(e), Duration::from_secs(3600))),
+                preview: a.preview,
+            }
+        });
+        let retry_set = r.retry.is_some();
+        let retry = match r.retry {
+            None => RetrySpec {
+                attempts: 1,
+                backoff: Duration::from_millis(50),
+            },
+            Some(rt) => {
+                let attempts = rt.attempts.unwrap_or(3);
+                if attempts == 0 || attempts > 10 {
+                    self.err(format!("{path}.retry.attempts"), format!("expected 1..=10 tries, found {attempts}"));
+                }
+                RetrySpec {
+                    attempts: attempts.clamp(1, 10),
+                    backoff: Duration::from_millis(rt.backoff_ms.unwrap_or(50)),
+                }
+            }
+        };
+        if class == Class::SideEffect && retry_set {
+            self.err(format!("{path}.retry"), "only read_only routes are retried inside the proxy; a side effect is retried only under its execution record");
+        }
+        if class == Class::ReadOnly {
+            for (key, set) in [
+                ("approval", approval.is_some()),
+                ("reconcile", reconcile.is_some()),
+                ("key_required", r.key_required.is_some()),
+            ] {
+                if set {
+                    self.err(format!("{path}.{key}"), "only meaningful on side_effect routes");
+                }
+            }
+        }
+        let tool_version = r.tool_version.unwrap_or_else(|| "v1".into());
+        let retention = self.duration(&format!("{path}.retention"), r.retention.as_deref(), store.retention);
+        let timeout = self.duration(&format!("{path}.timeout"), r.timeout.as_deref(), timeout);
+        Some(Route {
+            name,
+            method,
+            path: rpath,
+            class,
+            tool_version,
+            key_required: r.key_required.unwrap_or(true),
+            downstream_key,
+            fingerprint,
+            on_5xx,
+            concurrent,
+            reconcile,
+            approval,
+            retention,
+            retry,
+            timeout,
+        })
+    }
+
+    fn reconcile(&mut self, path: &str, rc: RawReconcile) -> Option<ReconcileSpec> {
+        let method = match rc.method.as_deref().unwrap_or("GET") {
+            m @ ("GET" | "POST" | "HEAD") => Method::from_bytes(m.as_bytes()).expect("literal methods"),
+            other => {
+                self.err(format!("{path}.method"), format!("expected GET | POST | HEAD, found `{other}`"));
+                Method::GET
+            }
+        };
+        let Some(p) = rc.path.filter(|p| p.starts_with('/')) else {
+            self.err(format!("{path}.path"), "missing or not starting with / (e.g. \"/messages?tag={execution_id}\")");
+            return None;
+        };
+        let mut headers = Vec::new();
+        for (k, v) in rc.headers {
+            if let Some(h) = self.header(&format!("{path}.headers.{k}"), &k) {
+                headers.push((h, v));
+            }
+        }
+        let mut matcher = |which: &str, m: Option<RawMatcher>| -> Matcher {
+            let Some(m) = m else {
+                self.err(format!("{path}.{which}"), "missing (e.g. { status: 200, json_nonempty: /data })");
+                return Matcher::default();
+            };
+            for (k, p) in [("json_nonempty", &m.json_nonempty), ("json_empty", &m.json_empty)] {
+                if let Some(p) = p {
+                    self.pointer(&format!("{path}.{which}.{k}"), p);
+                }
+            }
+            Matcher {
+                status: m.status,
+                json_nonempty: m.json_nonempty,
+                json_empty: m.json_empty,
+            }
+        };
+        let found = matcher("found", rc.found);
+        let not_found = matcher("not_found", rc.not_found);
+        if let Some(p) = &rc.external_id {
+            self.pointer(&format!("{path}.external_id"), p);
+        }
+        Some(ReconcileSpec {
+            method,
+            path: p,
+            headers,
+            found,
+            not_found,
+            external_id: rc.external_id,
+        })
+    }
+}
+
+fn is_name(s: &str) -> bool {
+    !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-' || c == '.')
+}

@@ -1,0 +1,251 @@
+//! Classification: which upstream and route a request belongs to, and therefore whether
+//! it is a side effect. Mounts are matched by longest path-segment prefix; routes inside a
+//! mount by matchit (axum's router) path templates such as `/v1/customers/{id}`.
+
+use http::Method;
+
+use crate::config::{Class, Issue, Route, Unmatched, Upstream};
+
+#[derive(Debug)]
+pub struct RouteTable {
+    /// (mount, upstream index), longest mount first.
+    mounts: Vec<(String, usize)>,
+    /// Per upstream: template → indices of the routes on it (one per method).
+    routers: Vec<matchit::Router<Vec<usize>>>,
+}
+
+/// Which route of an upstream a request hit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RouteRef {
+    Declared(usize),
+    /// Under the mount, no route matched; the method decided (`unmatched: by_method`).
+    FallbackSideEffect,
+    FallbackReadOnly,
+}
+
+#[derive(Debug)]
+pub enum Classified<'a> {
+    /// No mount covers the path.
+    NoUpstream,
+    /// Under a mount, no route matched, and `unmatched: reject`.
+    Unmatched { upstream: &'a Upstream },
+    Matched(Target<'a>),
+}
+
+#[derive(Debug)]
+pub struct Target<'a> {
+    pub upstream_index: usize,
+    pub upstream: &'a Upstream,
+    pub route_ref: RouteRef,
+    pub route: &'a Route,
+    /// Path after the mount (always starts with `/`).
+    pub rel_path: String,
+    pub params: Vec<(String, String)>,
+}
+
+impl RouteTable {
+    pub fn build(upstreams: &[Upstream]) -> Result<RouteTable, Vec<Issue>> {
+        let mut issues = Vec::new();
+        let mut mounts: Vec<(String, usize)> = Vec::new();
+        let mut routers = Vec::new();
+        for (ui, up) in upstreams.iter().enumerate() {
+            if let Some((_, other)) = mounts.iter().find(|(m, _)| *m == up.mount) {
+                issues.push(Issue {
+                    path: format!("upstreams[{ui}].mount"),
+                    line: None,
+                    message: format!(
+                        "mount `{}` is already used by upstream `{}`",
+                        display_mount(&up.mount),
+                        upstreams[*other].name
+                    ),
+                });
+            }
+            mounts.push((up.mount.clone(), ui));
+            let mut router: matchit::Router<Vec<usize>> = matchit::Router::new();
+            let mut templates: Vec<(String, Vec<usize>)> = Vec::new();
+            for (ri, r) in up.routes.iter().enumerate() {
+                match templates.iter_mut().find(|(t, _)| *t == r.path) {
+                    Some((_, list)) => {
+                        let clash = list.iter().find(|&&other| {
+                            let o = &up.routes[other];
+                            o.method.is_none() || r.method.is_none() || o.method == r.method
+                        });
+                        if let Some(&other) = clash {
+                            issues.push(Issue {
+                                path: format!("upstreams[{ui}].routes[{ri}].match"),
+                                line: None,
+                                message: format!(
+                                    "same method and path as route `{}`",
+                                    up.routes[other].name
+                                ),
+                            });
+                        }
+                        list.push(ri);
+                    }
+                    None => templates.push((r.path.clone(), vec![ri])),
+                }
+            }
+            for (t, list) in templates {
+                if let Err(e) = router.insert(t.clone(), list.clone()) {
+                    issues.push(Issue {
+                        path: format!("upstreams[{ui}].routes[{}].match.path", list[0]),
+                        line: None,
+                        message: format!("path template `{t}` cannot be used: {e}"),
+                    });
+                }
+            }
+            routers.push(router);
+        }
+        if !issues.is_empty() {
+            return Err(issues);
+        }
+        mounts.sort_by(|a, b| b.0.len().cmp(&a.0.len()));
+        Ok(RouteTable { mounts, routers })
+    }
+
+    /// Classify one request. `path` is the request path without query.
+    pub fn classify<'a>(
+        &self,
+        upstreams: &'a [Upstream],
+        unmatched: Unmatched,
+        method: &Method,
+        path: &str,
+    ) -> Classified<'a> {
+        let Some((mount, ui)) = self.mounts.iter().find(|(m, _)| {
+            path.strip_prefix(m.as_str())
+                .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
+        }) else {
+            return Classified::NoUpstream;
+        };
+        let upstream = &upstreams[*ui];
+        let rel = &path[mount.len()..];
+        let rel_path = if rel.is_empty() { "/".to_string() } else { rel.to_string() };
+        if let Ok(m) = self.routers[*ui].at(&rel_path) {
+            let hit = m.value.iter().copied().find(|&ri| {
+                upstream.routes[ri]
+                    .method
+                    .as_ref()
+                    .is_none_or(|rm| rm == method || (*method == Method::HEAD && *rm == Method::GET))
+            });
+            if let Some(ri) = hit {
+                let params = m
+                    .params
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect();
+                return Classified::Matched(Target {
+                    upstream_index: *ui,
+                    upstream,
+                    route_ref: RouteRef::Declared(ri),
+                    route: &upstream.routes[ri],
+                    rel_path,
+                    params,
+                });
+            }
+        }
+        if unmatched == Unmatched::Reject {
+            return Classified::Unmatched { upstream };
+        }
+        let read_only = matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE);
+        let (route_ref, route) = if read_only {
+            (RouteRef::FallbackReadOnly, &upstream.fallback_read_only)
+        } else {
+            (RouteRef::FallbackSideEffect, &upstream.fallback_side_effect)
+        };
+        debug_assert_eq!(route.class == Class::ReadOnly, read_only);
+        Classified::Matched(Target {
+            upstream_index: *ui,
+            upstream,
+            route_ref,
+            route,
+            rel_path,
+            params: Vec::new(),
+        })
+    }
+}
+
+fn display_mount(m: &str) -> &str {
+    if m.is_empty() {
+        "/"
+    } else {
+        m
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::from_yaml;
+    use std::path::Path;
+
+    const YAML: &str = r#"
+upstreams:
+  - name: mail
+    url: http://127.0.0.1:9001/api
+    mount: /mail
+    routes:
+      - { name: send_email, match: { method: POST, path: /send } }
+      - { name: get_message, match: { method: GET, path: "/messages/{id}" }, class: read_only }
+      - { name: search, match: { method: POST, path: /search }, class: read_only }
+  - name: pay
+    url: https://pay.example.com
+    mount: /
+    routes: []
+"#;
+
+    fn classify<'a>(cfg: &'a crate::config::Config, m: Method, p: &str) -> Classified<'a> {
+        cfg.routes.classify(&cfg.upstreams, cfg.unmatched, &m, p)
+    }
+
+    #[test]
+    fn matches_routes_params_and_mounts() {
+        let cfg = from_yaml(YAML, Path::new("t.yaml")).expect("valid");
+        match classify(&cfg, Method::GET, "/mail/messages/m1") {
+            Classified::Matched(t) => {
+                assert_eq!(t.route.name, "get_message");
+                assert_eq!(t.params, vec![("id".into(), "m1".into())]);
+                assert_eq!(t.rel_path, "/messages/m1");
+            }
+            other => panic!("{other:?}"),
+        }
+        match classify(&cfg, Method::POST, "/mail/search") {
+            Classified::Matched(t) => assert_eq!(t.route.class, Class::ReadOnly),
+            other => panic!("{other:?}"),
+        }
+        // `/mailbox` is not under `/mail`: it falls to the `/` mount.
+        match classify(&cfg, Method::POST, "/mailbox") {
+            Classified::Matched(t) => {
+                assert_eq!(t.upstream.name, "pay");
+                assert_eq!(t.route_ref, RouteRef::FallbackSideEffect);
+            }
+            other => panic!("{other:?}"),
+        }
+        match classify(&cfg, Method::GET, "/mail/send") {
+            Classified::Matched(t) => assert_eq!(t.route_ref, RouteRef::FallbackReadOnly),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn reject_mode_and_no_upstream() {
+        let yaml = YAML.replace("upstreams:", "unmatched: reject\nupstreams:").replace("    mount: /\n", "    mount: /pay\n");
+        let cfg = from_yaml(&yaml, Path::new("t.yaml")).expect("valid");
+        assert!(matches!(classify(&cfg, Method::POST, "/mail/other"), Classified::Unmatched { .. }));
+        assert!(matches!(classify(&cfg, Method::POST, "/nothing"), Classified::NoUpstream));
+    }
+
+    #[test]
+    fn duplicate_method_and_path_is_a_config_error() {
+        let yaml = r#"
+upstreams:
+  - name: a
+    url: http://127.0.0.1:1
+    routes:
+      - { name: one, match: { method: POST, path: /x } }
+      - { name: two, match: { method: POST, path: /x } }
+"#;
+        let err = from_yaml(yaml, Path::new("dup.yaml")).unwrap_err();
+        let text = err.to_string();
+        assert!(text.contains("dup.yaml: upstreams[0].routes[1].match: same method and path as route `one`"), "{text}");
+    }
+}
