@@ -1,9 +1,815 @@
-//! Canonical request fingerprint (args_hash). Placeholder until implemented.
+//! Canonical request fingerprint (`args_hash`, SPEC §4): a SHA-256 over what a request
+//! asked for, insensitive to spelling (JSON key order, whitespace, number form, query and
+//! form pair order) but sensitive to every value that could change the downstream effect.
+
+use std::borrow::Cow;
+
+use http::header::CONTENT_TYPE;
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+use crate::policy::identity::ArgsHash;
+
+/// What parts of a request count toward its identity, resolved from route config.
 #[derive(Clone, Debug, Default)]
 pub struct FingerprintSpec {
+    /// RFC 6901 JSON pointers removed from JSON bodies before hashing (e.g. "/client_ts").
     pub ignore_json: Vec<String>,
+    /// Lower-case header names whose values count (in the listed order).
     pub headers: Vec<http::HeaderName>,
 }
+
+/// The request as the fingerprint sees it; borrowed so the hot path copies nothing.
+pub struct RequestParts<'a> {
+    pub method: &'a http::Method,
+    pub upstream: &'a str,
+    pub route: &'a str,
+    /// Path relative to the upstream mount, without query.
+    pub path: &'a str,
+    pub query: Option<&'a str>,
+    pub headers: &'a http::HeaderMap,
+    pub body: &'a [u8],
+}
+
+/// Domain-separation prefix; bump the version if the encoding below ever changes, since
+/// stored hashes from older builds would otherwise be compared against a different scheme.
+const DOMAIN: &[u8] = b"idemproxy/args_hash/v1";
+
+/// SHA-256 (lower-case hex) of the canonical encoding of `parts` under `spec`.
+pub fn args_hash(parts: &RequestParts<'_>, spec: &FingerprintSpec) -> ArgsHash {
+    let mut enc = Encoder::default();
+    enc.bytes(DOMAIN);
+    enc.bytes(parts.method.as_str().as_bytes());
+    enc.bytes(parts.upstream.as_bytes());
+    enc.bytes(parts.route.as_bytes());
+    enc.bytes(parts.path.as_bytes());
+    enc.pairs(parts.query.unwrap_or("").as_bytes());
+    encode_body(&mut enc, parts, spec);
+    enc.count(spec.headers.len());
+    for name in &spec.headers {
+        enc.bytes(name.as_str().as_bytes());
+        // Counting values distinguishes a missing header (0 values) from an empty one
+        // (1 value of length 0), and keeps repeated headers in their received order.
+        let values: Vec<&http::HeaderValue> = parts.headers.get_all(name).iter().collect();
+        enc.count(values.len());
+        for v in values {
+            enc.bytes(v.as_bytes());
+        }
+    }
+    ArgsHash(hex::encode(enc.hasher.finalize()))
+}
+
+/// Validates a JSON pointer at config load (returns a human message on error).
 pub fn validate_pointer(p: &str) -> Result<(), String> {
-    if p.is_empty() || p.starts_with('/') { Ok(()) } else { Err(format!("`{p}` is not a JSON pointer")) }
+    parse_pointer(p).map(|_| ())
+}
+
+/// Unambiguous framing: every variable-length item is preceded by its length, and every
+/// list by its count, so no two different requests can produce the same byte stream.
+#[derive(Default)]
+struct Encoder {
+    hasher: Sha256,
+}
+
+impl Encoder {
+    fn count(&mut self, n: usize) {
+        self.hasher.update((n as u64).to_be_bytes());
+    }
+
+    fn bytes(&mut self, b: &[u8]) {
+        self.count(b.len());
+        self.hasher.update(b);
+    }
+
+    fn tag(&mut self, t: u8) {
+        self.hasher.update([t]);
+    }
+
+    /// `application/x-www-form-urlencoded` pairs (query strings and form bodies), sorted.
+    fn pairs(&mut self, raw: &[u8]) {
+        let mut pairs: Vec<(Cow<'_, str>, Cow<'_, str>)> = form_urlencoded::parse(raw).collect();
+        pairs.sort();
+        self.count(pairs.len());
+        let mut lossy = false;
+        for (name, value) in &pairs {
+            lossy |= name.contains('\u{FFFD}') || value.contains('\u{FFFD}');
+            self.bytes(name.as_bytes());
+            self.bytes(value.as_bytes());
+        }
+        // form_urlencoded decodes invalid UTF-8 lossily, so "%FF" and "%FE" would both
+        // become U+FFFD and collide. When that may have happened, also hash the raw bytes:
+        // distinct requests stay distinct, at the price of order mattering in that rare case.
+        if lossy {
+            self.tag(1);
+            self.bytes(raw);
+        } else {
+            self.tag(0);
+        }
+    }
+}
+
+/// How the body was interpreted; tagged so a raw body can never equal a canonical one.
+const BODY_JSON: u8 = b'J';
+const BODY_FORM: u8 = b'F';
+const BODY_RAW: u8 = b'R';
+
+fn encode_body(enc: &mut Encoder, parts: &RequestParts<'_>, spec: &FingerprintSpec) {
+    match body_kind(parts.headers) {
+        BodyKind::Json => {
+            if let Some(canonical) = canonical_json(parts.body, &spec.ignore_json) {
+                enc.tag(BODY_JSON);
+                enc.bytes(&canonical);
+                return;
+            }
+            // Not valid (I-)JSON: the proxy does not judge payloads, it just hashes bytes.
+        }
+        BodyKind::Form => {
+            enc.tag(BODY_FORM);
+            enc.pairs(parts.body);
+            return;
+        }
+        BodyKind::Other => {}
+    }
+    enc.tag(BODY_RAW);
+    enc.bytes(parts.body);
+}
+
+enum BodyKind {
+    Json,
+    Form,
+    Other,
+}
+
+fn body_kind(headers: &http::HeaderMap) -> BodyKind {
+    let Some(ct) = headers.get(CONTENT_TYPE).and_then(|v| v.to_str().ok()) else {
+        return BodyKind::Other;
+    };
+    // Media type essence only: parameters such as charset do not change the payload's
+    // meaning for hashing, and type/subtype are case-insensitive (RFC 9110 §8.3.1).
+    let essence = ct
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    let Some((ty, subtype)) = essence.split_once('/') else {
+        return BodyKind::Other;
+    };
+    if ty.is_empty() {
+        BodyKind::Other
+    } else if essence == "application/json" || subtype.ends_with("+json") {
+        BodyKind::Json
+    } else if essence == "application/x-www-form-urlencoded" {
+        BodyKind::Form
+    } else {
+        BodyKind::Other
+    }
+}
+
+/// JCS bytes of `body` with the `ignore` pointer targets removed; `None` if it is not JSON
+/// that JCS can represent (syntax error, lone surrogate, number beyond f64 range, ...).
+//
+// RFC 8785 is done by `serde_json_canonicalizer` 0.4, vetted by the tests below against the
+// RFC's vectors: all of Appendix B, the §3.2.2 and §3.2.3 examples and the reference
+// `weird.json` pass. It already writes u64/i64 through f64, so 12345678901234567890 becomes
+// 12345678901234567000 as JCS requires; no workaround needed. It does rely on serde_json's
+// `float_roundtrip` feature (the crate enables it on the shared serde_json): without it a
+// decimal may parse one ULP off and hash differently from a JS client's canonical form.
+// `float_parse_is_exact` guards that.
+fn canonical_json(body: &[u8], ignore: &[String]) -> Option<Vec<u8>> {
+    let mut value: Value = serde_json::from_slice(body).ok()?;
+    remove_pointers(&mut value, ignore);
+    serde_json_canonicalizer::to_vec(&value).ok()
+}
+
+/// One resolved step into a JSON document.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Step {
+    Index(usize),
+    Key(String),
+}
+
+/// Removes every pointer target, all resolved against the document *as sent*: removing
+/// "/arr/0" must not shift what "/arr/1" means, or the result would depend on list order.
+fn remove_pointers(doc: &mut Value, pointers: &[String]) {
+    let mut paths: Vec<Vec<Step>> = pointers
+        .iter()
+        // Pointers are validated at config load; a bad one here is skipped, not fatal.
+        .filter_map(|p| parse_pointer(p).ok())
+        .filter_map(|tokens| resolve(doc, &tokens))
+        .collect();
+    // Descending order removes deeper paths before their ancestors and higher array
+    // indices before lower ones, so each removal leaves the remaining paths valid.
+    paths.sort_unstable_by(|a, b| b.cmp(a));
+    paths.dedup();
+    for path in &paths {
+        remove_path(doc, path);
+    }
+}
+
+/// Maps pointer tokens onto concrete steps of `doc`; `None` if the target does not exist.
+fn resolve(doc: &Value, tokens: &[String]) -> Option<Vec<Step>> {
+    let mut node = doc;
+    let mut steps = Vec::with_capacity(tokens.len());
+    for token in tokens {
+        match node {
+            Value::Object(map) => {
+                node = map.get(token)?;
+                steps.push(Step::Key(token.clone()));
+            }
+            Value::Array(items) => {
+                let i = array_index(token)?;
+                node = items.get(i)?;
+                steps.push(Step::Index(i));
+            }
+            _ => return None,
+        }
+    }
+    // The empty pointer (whole document) is rejected at load; never remove the root.
+    if steps.is_empty() {
+        None
+    } else {
+        Some(steps)
+    }
+}
+
+fn remove_path(doc: &mut Value, path: &[Step]) {
+    let Some((last, parents)) = path.split_last() else {
+        return;
+    };
+    let mut node = doc;
+    for step in parents {
+        let next = match (node, step) {
+            (Value::Object(map), Step::Key(k)) => map.get_mut(k),
+            (Value::Array(items), Step::Index(i)) => items.get_mut(*i),
+            _ => None,
+        };
+        match next {
+            Some(n) => node = n,
+            None => return,
+        }
+    }
+    match (node, last) {
+        (Value::Object(map), Step::Key(k)) => {
+            map.remove(k);
+        }
+        (Value::Array(items), Step::Index(i)) if *i < items.len() => {
+            items.remove(*i);
+        }
+        _ => {}
+    }
+}
+
+/// RFC 6901 array index: "0" or a decimal without leading zeros. "-" (past the end) and
+/// anything else name no existing element.
+fn array_index(token: &str) -> Option<usize> {
+    let digits_only = !token.is_empty() && token.bytes().all(|b| b.is_ascii_digit());
+    if !digits_only || (token.len() > 1 && token.starts_with('0')) {
+        return None;
+    }
+    token.parse().ok()
+}
+
+/// Splits an RFC 6901 pointer into unescaped reference tokens.
+fn parse_pointer(p: &str) -> Result<Vec<String>, String> {
+    if p.is_empty() {
+        return Err("empty JSON pointer would ignore the whole body".to_owned());
+    }
+    let Some(rest) = p.strip_prefix('/') else {
+        return Err(format!("JSON pointer {p:?} must start with '/'"));
+    };
+    rest.split('/')
+        .map(|raw| {
+            let mut token = String::with_capacity(raw.len());
+            let mut chars = raw.chars();
+            while let Some(c) = chars.next() {
+                if c != '~' {
+                    token.push(c);
+                    continue;
+                }
+                match chars.next() {
+                    Some('0') => token.push('~'),
+                    Some('1') => token.push('/'),
+                    _ => {
+                        return Err(format!(
+                            "JSON pointer {p:?}: '~' must be followed by '0' or '1'"
+                        ))
+                    }
+                }
+            }
+            Ok(token)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::{HeaderMap, HeaderName, HeaderValue, Method};
+
+    fn jcs(input: &str) -> String {
+        let out = canonical_json(input.as_bytes(), &[]).expect("valid JSON");
+        String::from_utf8(out).expect("JCS emits UTF-8")
+    }
+
+    fn jcs_ignoring(input: &str, ignore: &[&str]) -> String {
+        let ignore: Vec<String> = ignore.iter().map(|s| s.to_string()).collect();
+        let out = canonical_json(input.as_bytes(), &ignore).expect("valid JSON");
+        String::from_utf8(out).expect("JCS emits UTF-8")
+    }
+
+    /// A request builder with defaults, so each test states only what it varies.
+    struct Req {
+        method: Method,
+        upstream: &'static str,
+        route: &'static str,
+        path: &'static str,
+        query: Option<&'static str>,
+        headers: HeaderMap,
+        body: Vec<u8>,
+    }
+
+    impl Req {
+        fn json(body: &str) -> Self {
+            let mut r = Req::raw(body.as_bytes());
+            r.header("content-type", "application/json");
+            r
+        }
+
+        fn raw(body: &[u8]) -> Self {
+            Req {
+                method: Method::POST,
+                upstream: "mail",
+                route: "send_email",
+                path: "/send",
+                query: None,
+                headers: HeaderMap::new(),
+                body: body.to_vec(),
+            }
+        }
+
+        fn header(&mut self, name: &'static str, value: &str) -> &mut Self {
+            self.headers.append(
+                HeaderName::from_static(name),
+                HeaderValue::from_str(value).expect("test header"),
+            );
+            self
+        }
+
+        fn hash(&self, spec: &FingerprintSpec) -> String {
+            let parts = RequestParts {
+                method: &self.method,
+                upstream: self.upstream,
+                route: self.route,
+                path: self.path,
+                query: self.query,
+                headers: &self.headers,
+                body: &self.body,
+            };
+            args_hash(&parts, spec).0
+        }
+
+        fn h(&self) -> String {
+            self.hash(&FingerprintSpec::default())
+        }
+    }
+
+    fn ignoring(pointers: &[&str]) -> FingerprintSpec {
+        FingerprintSpec {
+            ignore_json: pointers.iter().map(|s| s.to_string()).collect(),
+            headers: vec![],
+        }
+    }
+
+    // ---- RFC 8785 vetting of serde_json_canonicalizer ----
+
+    /// RFC 8785 Appendix B, fed through the real path (JSON text -> serde_json -> JCS).
+    /// Rust's `{:?}` prints the shortest round-trip decimal, so parsing it back must
+    /// recover the exact IEEE-754 bits before JCS formats them.
+    #[test]
+    fn rfc8785_appendix_b_numbers() {
+        let vectors: &[(u64, &str)] = &[
+            (0x0000000000000000, "0"),
+            (0x8000000000000000, "0"),
+            (0x0000000000000001, "5e-324"),
+            (0x8000000000000001, "-5e-324"),
+            (0x7fefffffffffffff, "1.7976931348623157e+308"),
+            (0xffefffffffffffff, "-1.7976931348623157e+308"),
+            (0x4340000000000000, "9007199254740992"),
+            (0xc340000000000000, "-9007199254740992"),
+            (0x4430000000000000, "295147905179352830000"),
+            (0x44b52d02c7e14af5, "9.999999999999997e+22"),
+            (0x44b52d02c7e14af6, "1e+23"),
+            (0x44b52d02c7e14af7, "1.0000000000000001e+23"),
+            (0x444b1ae4d6e2ef4e, "999999999999999700000"),
+            (0x444b1ae4d6e2ef4f, "999999999999999900000"),
+            (0x444b1ae4d6e2ef50, "1e+21"),
+            (0x3eb0c6f7a0b5ed8c, "9.999999999999997e-7"),
+            (0x3eb0c6f7a0b5ed8d, "0.000001"),
+            (0x41b3de4355555553, "333333333.3333332"),
+            (0x41b3de4355555554, "333333333.33333325"),
+            (0x41b3de4355555555, "333333333.3333333"),
+            (0x41b3de4355555556, "333333333.3333334"),
+            (0x41b3de4355555557, "333333333.33333343"),
+            (0xbecbf647612f3696, "-0.0000033333333333333333"),
+            (0x43143ff3c1cb0959, "1424953923781206.2"),
+        ];
+        for &(bits, expected) in vectors {
+            let text = format!("[{:?}]", f64::from_bits(bits));
+            assert_eq!(
+                jcs(&text),
+                format!("[{expected}]"),
+                "bits {bits:016x} ({text})"
+            );
+        }
+    }
+
+    /// Number spellings from the RFC text and the brief, as a client would write them.
+    #[test]
+    fn rfc8785_number_spellings() {
+        let vectors: &[(&str, &str)] = &[
+            ("0", "0"),
+            ("-0", "0"),
+            ("-0.0", "0"),
+            ("1e21", "1e+21"),
+            ("1e-7", "1e-7"),
+            ("0.000001", "0.000001"),
+            ("5e-324", "5e-324"),
+            ("1.7976931348623157e308", "1.7976931348623157e+308"),
+            ("9007199254740992", "9007199254740992"),
+            ("4.50", "4.5"),
+            ("2e-3", "0.002"),
+            ("1E30", "1e+30"),
+            ("333333333.33333329", "333333333.3333333"),
+            ("0.000000000000000000000000001", "1e-27"),
+            ("-1.0", "-1"),
+            ("1.0", "1"),
+            ("1e0", "1"),
+            ("100E-2", "1"),
+            ("1e20", "100000000000000000000"),
+            // Integers are doubles in JCS: serde_json's exact u64/i64 must not leak through.
+            ("12345678901234567890", "12345678901234567000"),
+            ("-9223372036854775808", "-9223372036854776000"),
+            ("9007199254740993", "9007199254740992"),
+            ("123456789012345678901234567890", "1.2345678901234568e+29"),
+        ];
+        for &(input, expected) in vectors {
+            assert_eq!(
+                jcs(&format!("[{input}]")),
+                format!("[{expected}]"),
+                "{input}"
+            );
+        }
+    }
+
+    /// Guards the `float_roundtrip` dependency: these decimals are known to be parsed one
+    /// ULP off by serde_json's default (fast, approximate) float parser.
+    #[test]
+    fn float_parse_is_exact() {
+        for text in [
+            "1014.5449131979983",
+            "117.63331139400017",
+            "1.5777777777770001",
+        ] {
+            assert_eq!(jcs(&format!("[{text}]")), format!("[{text}]"));
+        }
+    }
+
+    /// RFC 8785 §3.2.2 example (string escaping, literals, numbers) and sorted members.
+    #[test]
+    fn rfc8785_section_3_2_2_example() {
+        let input = r#"{
+          "numbers": [333333333.33333329, 1E30, 4.50, 2e-3, 0.000000000000000000000000001],
+          "string": "\u20ac$\u000F\u000aA'\u0042\u0022\u005c\\\"\/",
+          "literals": [null, true, false]
+        }"#;
+        let expected = "{\"literals\":[null,true,false],\
+            \"numbers\":[333333333.3333333,1e+30,4.5,0.002,1e-27],\
+            \"string\":\"\u{20ac}$\\u000f\\nA'B\\\"\\\\\\\\\\\"/\"}";
+        assert_eq!(jcs(input), expected);
+    }
+
+    /// RFC 8785 §3.2.3: members sorted by UTF-16 code units, not UTF-8 bytes or chars
+    /// (U+1F600 is the surrogate pair D83D DE00, so it sorts before U+FB33).
+    #[test]
+    fn rfc8785_section_3_2_3_sorting() {
+        let input = r#"{
+          "\u20ac": "Euro Sign",
+          "\r": "Carriage Return",
+          "\ufb33": "Hebrew Letter Dalet With Dagesh",
+          "1": "One",
+          "\ud83d\ude00": "Emoji: Grinning Face",
+          "\u0080": "Control",
+          "\u00f6": "Latin Small Letter O With Diaeresis"
+        }"#;
+        let expected = "{\"\\r\":\"Carriage Return\",\"1\":\"One\",\"\u{80}\":\"Control\",\
+            \"\u{f6}\":\"Latin Small Letter O With Diaeresis\",\"\u{20ac}\":\"Euro Sign\",\
+            \"\u{1f600}\":\"Emoji: Grinning Face\",\
+            \"\u{fb33}\":\"Hebrew Letter Dalet With Dagesh\"}";
+        assert_eq!(jcs(input), expected);
+    }
+
+    /// The reference implementation's `weird.json`: "</script>" and U+007F stay verbatim.
+    #[test]
+    fn rfc8785_reference_weird_json() {
+        let input = r#"{
+          "\u20ac": "Euro Sign",
+          "\r": "Carriage Return",
+          "\u000a": "Newline",
+          "1": "One",
+          "\u0080": "Control\u007f",
+          "\ud83d\ude02": "Smiley",
+          "\u00f6": "Latin Small Letter O With Diaeresis",
+          "\ufb33": "Hebrew Letter Dalet With Dagesh",
+          "</script>": "Browser Challenge"
+        }"#;
+        let expected = "{\"\\n\":\"Newline\",\"\\r\":\"Carriage Return\",\"1\":\"One\",\
+            \"</script>\":\"Browser Challenge\",\"\u{80}\":\"Control\u{7f}\",\
+            \"\u{f6}\":\"Latin Small Letter O With Diaeresis\",\"\u{20ac}\":\"Euro Sign\",\
+            \"\u{1f602}\":\"Smiley\",\"\u{fb33}\":\"Hebrew Letter Dalet With Dagesh\"}";
+        assert_eq!(jcs(input), expected);
+    }
+
+    #[test]
+    fn control_characters_use_short_or_lowercase_escapes() {
+        assert_eq!(
+            jcs(r#"["\u0008\u0009\u000C\u001F\u0000\u001b"]"#),
+            r#"["\b\t\f\u001f\u0000\u001b"]"#
+        );
+    }
+
+    #[test]
+    fn nested_structures_canonicalise() {
+        assert_eq!(
+            jcs(r#" { "b" : [ { "z":1, "y" : [ ] } ], "a":{ } } "#),
+            r#"{"a":{},"b":[{"y":[],"z":1}]}"#
+        );
+    }
+
+    #[test]
+    fn json_that_jcs_cannot_represent_is_not_canonicalised() {
+        for bad in ["", "{", "[1e400]", r#"["\ud800"]"#, "{\"a\":1} x", "[NaN]"] {
+            assert!(canonical_json(bad.as_bytes(), &[]).is_none(), "{bad:?}");
+        }
+    }
+
+    // ---- args_hash behaviour ----
+
+    #[test]
+    fn hash_is_lowercase_sha256_hex() {
+        let h = Req::json("{}").h();
+        assert_eq!(h.len(), 64);
+        assert!(h.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')));
+    }
+
+    #[test]
+    fn json_spelling_does_not_change_hash() {
+        let base = Req::json(r#"{"to":"a@b.c","n":1,"opts":{"x":true,"y":null}}"#).h();
+        for same in [
+            r#"{"opts":{"y":null,"x":true},"n":1,"to":"a@b.c"}"#,
+            "{ \"to\" : \"a@b.c\" ,\n\t\"n\" : 1.0, \"opts\":{\"x\":true,\"y\":null} }",
+            r#"{"to":"a@b.c","n":1e0,"opts":{"x":true,"y":null}}"#,
+            r#"{"to":"a\u0040b.c","n":10E-1,"opts":{"x":true,"y":null}}"#,
+        ] {
+            assert_eq!(Req::json(same).h(), base, "{same}");
+        }
+    }
+
+    #[test]
+    fn changed_json_value_changes_hash() {
+        let base = Req::json(r#"{"to":"a@b.c","n":1}"#).h();
+        for other in [
+            r#"{"to":"a@b.d","n":1}"#,
+            r#"{"to":"a@b.c","n":2}"#,
+            r#"{"to":"a@b.c","n":"1"}"#,
+            r#"{"to":"a@b.c","n":1,"extra":null}"#,
+            r#"{"to":"a@b.c"}"#,
+            r#"[{"to":"a@b.c","n":1}]"#,
+        ] {
+            assert_ne!(Req::json(other).h(), base, "{other}");
+        }
+    }
+
+    #[test]
+    fn json_content_type_variants() {
+        let body = r#"{"b":1,"a":2}"#;
+        let reordered = r#"{"a":2,"b":1}"#;
+        for ct in [
+            "application/json",
+            "Application/JSON; charset=utf-8",
+            "application/problem+json",
+            "application/vnd.api+json ; ext=x",
+        ] {
+            let mut a = Req::raw(body.as_bytes());
+            a.header("content-type", ct);
+            let mut b = Req::raw(reordered.as_bytes());
+            b.header("content-type", ct);
+            assert_eq!(a.h(), b.h(), "{ct}");
+        }
+        // Not JSON by content type: raw bytes, so key order matters.
+        for ct in ["text/plain", "application/jsonx", "text/json-ish"] {
+            let mut a = Req::raw(body.as_bytes());
+            a.header("content-type", ct);
+            let mut b = Req::raw(reordered.as_bytes());
+            b.header("content-type", ct);
+            assert_ne!(a.h(), b.h(), "{ct}");
+        }
+        assert_ne!(
+            Req::raw(body.as_bytes()).h(),
+            Req::raw(reordered.as_bytes()).h()
+        );
+    }
+
+    #[test]
+    fn invalid_json_is_hashed_raw() {
+        let a = Req::json(r#"{"a":1"#);
+        assert_eq!(a.h(), Req::json(r#"{"a":1"#).h());
+        assert_ne!(a.h(), Req::json(r#"{"a": 1"#).h());
+        // Out-of-range numbers are not silently collapsed to one value.
+        assert_ne!(Req::json("[1e400]").h(), Req::json("[1e401]").h());
+    }
+
+    #[test]
+    fn canonical_and_raw_bodies_never_collide() {
+        let text = r#"{"a":1}"#;
+        let mut plain = Req::raw(text.as_bytes());
+        plain.header("content-type", "text/plain");
+        assert_ne!(Req::json(text).h(), plain.h());
+    }
+
+    #[test]
+    fn ignore_json_removes_fields() {
+        let spec = ignoring(&["/client_ts"]);
+        let a = Req::json(r#"{"to":"x","client_ts":1700000000}"#).hash(&spec);
+        let b = Req::json(r#"{"client_ts":1800000000,"to":"x"}"#).hash(&spec);
+        let c = Req::json(r#"{"to":"x"}"#).hash(&spec);
+        assert_eq!(a, b);
+        assert_eq!(a, c);
+        assert_ne!(a, Req::json(r#"{"to":"y","client_ts":1}"#).hash(&spec));
+        // Without the pointer the field counts.
+        assert_ne!(
+            Req::json(r#"{"to":"x","client_ts":1}"#).h(),
+            Req::json(r#"{"to":"x","client_ts":2}"#).h()
+        );
+    }
+
+    #[test]
+    fn ignore_json_pointer_forms() {
+        assert_eq!(
+            jcs_ignoring(
+                r#"{"a/b":1,"m~n":2,"a":{"b":3},"k":4}"#,
+                &["/a~1b", "/m~0n"]
+            ),
+            r#"{"a":{"b":3},"k":4}"#
+        );
+        assert_eq!(
+            jcs_ignoring(r#"{"arr":[10,20,30],"x":1}"#, &["/arr/0"]),
+            r#"{"arr":[20,30],"x":1}"#
+        );
+        assert_eq!(
+            jcs_ignoring(
+                r#"{"items":[{"id":1,"ts":5},{"id":2,"ts":6}]}"#,
+                &["/items/1/ts"]
+            ),
+            r#"{"items":[{"id":1,"ts":5},{"id":2}]}"#
+        );
+        assert_eq!(jcs_ignoring(r#"{"":1,"a":2}"#, &["/"]), r#"{"a":2}"#);
+        // Array pointers address the document as sent, whatever their listed order.
+        for order in [["/arr/0", "/arr/2"], ["/arr/2", "/arr/0"]] {
+            assert_eq!(
+                jcs_ignoring(r#"{"arr":["a","b","c","d"]}"#, &order),
+                r#"{"arr":["b","d"]}"#
+            );
+        }
+        // An ancestor and a descendant together: the ancestor goes.
+        assert_eq!(
+            jcs_ignoring(r#"{"a":{"b":1},"c":2}"#, &["/a/b", "/a"]),
+            r#"{"c":2}"#
+        );
+        // Duplicates remove once.
+        assert_eq!(
+            jcs_ignoring(r#"{"arr":[1,2,3]}"#, &["/arr/0", "/arr/0"]),
+            r#"{"arr":[2,3]}"#
+        );
+    }
+
+    #[test]
+    fn ignore_json_missing_targets_are_fine() {
+        let doc = r#"{"a":[1,2],"b":{"c":3},"s":"str"}"#;
+        let untouched = jcs(doc);
+        for p in [
+            "/zz", "/a/2", "/a/-", "/a/01", "/a/x", "/b/c/d", "/s/0", "/a/0/x",
+        ] {
+            assert_eq!(jcs_ignoring(doc, &[p]), untouched, "{p}");
+        }
+        // A root array works too.
+        assert_eq!(jcs_ignoring("[1,2,3]", &["/1"]), "[1,3]");
+    }
+
+    #[test]
+    fn validate_pointer_rules() {
+        for ok in ["/client_ts", "/a~1b", "/m~0n", "/arr/0", "/", "//", "/a/-"] {
+            assert!(validate_pointer(ok).is_ok(), "{ok}");
+        }
+        for bad in ["", "client_ts", "/a~", "/a~2", "/~x"] {
+            let err = validate_pointer(bad).expect_err(bad);
+            assert!(!err.is_empty());
+        }
+    }
+
+    #[test]
+    fn query_order_does_not_matter_but_values_do() {
+        let with = |q: &'static str| {
+            let mut r = Req::raw(b"");
+            r.method = Method::GET;
+            r.query = Some(q);
+            r.h()
+        };
+        assert_eq!(with("a=1&b=2&a=0"), with("b=2&a=0&a=1"));
+        assert_eq!(with("x=hello%20world"), with("x=hello+world"));
+        assert_eq!(with("a=1&&b=2"), with("b=2&a=1"));
+        assert_ne!(with("a=1&b=2"), with("a=2&b=1"));
+        assert_ne!(with("a=1"), with("a=1&a=1"));
+        assert_ne!(with("a=%2526"), with("a=%26"));
+        // Lossy UTF-8 decoding must not make different bytes collide.
+        assert_ne!(with("a=%FF"), with("a=%FE"));
+        assert_eq!(with(""), {
+            let mut r = Req::raw(b"");
+            r.method = Method::GET;
+            r.h()
+        });
+    }
+
+    #[test]
+    fn form_body_pair_order_does_not_matter() {
+        let form = |body: &str| {
+            let mut r = Req::raw(body.as_bytes());
+            r.header(
+                "content-type",
+                "application/x-www-form-urlencoded; charset=UTF-8",
+            );
+            r.h()
+        };
+        assert_eq!(form("to=a%40b.c&subject=hi"), form("subject=hi&to=a@b.c"));
+        assert_ne!(form("to=a%40b.c&subject=hi"), form("to=a%40b.c&subject=ho"));
+        // A form body is not the same as the same pairs in the query string.
+        let mut q = Req::raw(b"");
+        q.query = Some("to=a%40b.c&subject=hi");
+        assert_ne!(form("to=a%40b.c&subject=hi"), q.h());
+    }
+
+    #[test]
+    fn listed_headers_count_unlisted_do_not() {
+        let spec = FingerprintSpec {
+            ignore_json: vec![],
+            headers: vec![HeaderName::from_static("x-account")],
+        };
+        let mut a = Req::json("{}");
+        a.header("x-account", "acme").header("x-trace", "1");
+        let mut b = Req::json("{}");
+        b.header("x-account", "acme").header("x-trace", "2");
+        let mut c = Req::json("{}");
+        c.header("x-account", "other").header("x-trace", "1");
+        assert_eq!(a.hash(&spec), b.hash(&spec));
+        assert_ne!(a.hash(&spec), c.hash(&spec));
+
+        let mut empty = Req::json("{}");
+        empty.header("x-account", "");
+        let missing = Req::json("{}");
+        assert_ne!(empty.hash(&spec), missing.hash(&spec));
+
+        // Repeated values count, in order.
+        let mut twice = Req::json("{}");
+        twice
+            .header("x-account", "acme")
+            .header("x-account", "acme");
+        assert_ne!(twice.hash(&spec), a.hash(&spec));
+    }
+
+    #[test]
+    fn method_upstream_route_path_each_count() {
+        let base = Req::json("{}");
+        let h = base.h();
+        let mut r = Req::json("{}");
+        r.method = Method::PUT;
+        assert_ne!(r.h(), h);
+        let mut r = Req::json("{}");
+        r.upstream = "mail2";
+        assert_ne!(r.h(), h);
+        let mut r = Req::json("{}");
+        r.route = "send_email2";
+        assert_ne!(r.h(), h);
+        let mut r = Req::json("{}");
+        r.path = "/send/";
+        assert_ne!(r.h(), h);
+        // Length prefixes: moving bytes between adjacent fields changes the hash.
+        let mut a = Req::json("{}");
+        a.upstream = "ab";
+        a.route = "c";
+        let mut b = Req::json("{}");
+        b.upstream = "a";
+        b.route = "bc";
+        assert_ne!(a.h(), b.h());
+        assert_eq!(Req::json("{}").h(), h, "deterministic");
+    }
 }
