@@ -11,5 +11,8 @@
 #![forbid(unsafe_code)]
 
 pub mod config;
+pub mod failpoint;
 pub mod policy;
+pub mod proxy;
 pub mod store;
+pub mod wire;

@@ -103,6 +103,8 @@ pub struct Upstream {
     pub base_path: String,
     /// Proxy path prefix (no trailing slash; empty for `/`).
     pub mount: String,
+    /// Extra trusted roots (PEM) for this upstream's TLS, beside the webpki set.
+    pub ca_file: Option<PathBuf>,
     pub routes: Vec<Route>,
     /// Used for requests under the mount that match no route (`unmatched: by_method`).
     pub fallback_side_effect: Route,
@@ -154,6 +156,8 @@ pub struct Route {
     pub retention: Duration,
     pub retry: RetrySpec,
     pub timeout: Duration,
+    /// JSON pointer to the downstream's own id in a committed answer (default `/id`).
+    pub external_id: Option<String>,
 }
 
 #[derive(Debug, Clone)]

@@ -74,6 +74,7 @@ pub struct RawUpstream {
     pub url: Option<String>,
     pub mount: Option<String>,
     pub timeout: Option<String>,
+    pub tls: Option<RawTls>,
     #[serde(default)]
     pub routes: Vec<RawRoute>,
 }
@@ -96,6 +97,13 @@ pub struct RawRoute {
     pub retention: Option<String>,
     pub retry: Option<RawRetry>,
     pub timeout: Option<String>,
+    pub external_id: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTls {
+    pub ca_file: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]

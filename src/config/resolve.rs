@@ -53,7 +53,6 @@ fn strip_location(msg: &str) -> String {
 
 struct Validator {
     issues: Vec<Issue>,
-    #[allow(dead_code)]
     base_dir: PathBuf,
 }
 
@@ -351,8 +350,23 @@ impl Validator {
                 backoff: Duration::from_millis(50),
             },
             timeout,
+            external_id: Some("/id".into()),
         };
+        let ca_file = u.tls.and_then(|t| t.ca_file).map(|f| {
+            let p = PathBuf::from(f);
+            if p.is_relative() {
+                self.base_dir.join(p)
+            } else {
+                p
+            }
+        });
+        if let Some(p) = &ca_file {
+            if !p.is_file() {
+                self.err(format!("{path}.tls.ca_file"), format!("no such file: {}", p.display()));
+            }
+        }
         Some(Upstream {
+            ca_file,
             fallback_side_effect: fallback(Class::SideEffect, "unmatched"),
             fallback_read_only: fallback(Class::ReadOnly, "unmatched_read"),
             name,
@@ -507,7 +521,16 @@ impl Validator {
         let tool_version = r.tool_version.unwrap_or_else(|| "v1".into());
         let retention = self.duration(&format!("{path}.retention"), r.retention.as_deref(), store.retention);
         let timeout = self.duration(&format!("{path}.timeout"), r.timeout.as_deref(), timeout);
+        let external_id = match r.external_id.as_deref() {
+            Some("none") => None,
+            Some(p) => {
+                self.pointer(&format!("{path}.external_id"), p);
+                Some(p.to_string())
+            }
+            None => Some("/id".to_string()),
+        };
         Some(Route {
+            external_id,
             name,
             method,
             path: rpath,

@@ -36,3 +36,176 @@ macro_rules! display_inner {
     )*};
 }
 display_inner!(ExecutionId, ArgsHash, TenantScope);
+
+use base64::Engine as _;
+use http::HeaderMap;
+use sha2::{Digest, Sha256};
+
+use crate::config::{IdentityConfig, Route};
+
+/// Where the idempotency key came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeySource {
+    /// The client's own `Idempotency-Key` (or configured) header.
+    Client,
+    /// Joined from the trusted `derive_from` headers plus tool name and version.
+    Derived,
+}
+
+/// The result of looking for a key on a side-effect request.
+#[derive(Debug, PartialEq, Eq)]
+pub enum KeyLookup {
+    Found { key: String, source: KeySource },
+    Missing,
+    /// The key is present but unusable; the text says why (no key bytes in it).
+    Invalid(String),
+}
+
+/// Find the logical key of a request (SPEC section 4): the client's key header, else the
+/// `derive_from` headers (all of them must be present) joined with the tool identity.
+pub fn find_key(headers: &HeaderMap, id: &IdentityConfig, route: &Route, max_key_bytes: usize) -> KeyLookup {
+    let mut values = headers.get_all(&id.key_header).iter();
+    if let Some(v) = values.next() {
+        if values.next().is_some() {
+            return KeyLookup::Invalid(format!("more than one {} header", id.key_header));
+        }
+        return check_key(v.to_str().ok().map(str::trim), max_key_bytes, KeySource::Client, id.key_header.as_str());
+    }
+    if id.derive_from.is_empty() {
+        return KeyLookup::Missing;
+    }
+    let mut parts = Vec::with_capacity(id.derive_from.len() + 2);
+    for h in &id.derive_from {
+        match headers.get(h) {
+            None => return KeyLookup::Missing,
+            Some(v) => match v.to_str().map(str::trim) {
+                Ok(s) if !s.is_empty() => parts.push(s.to_string()),
+                _ => return KeyLookup::Invalid(format!("header {h} is empty or not visible ASCII")),
+            },
+        }
+    }
+    parts.push(route.name.clone());
+    parts.push(route.tool_version.clone());
+    let key = parts.join(":");
+    check_key(Some(&key), max_key_bytes, KeySource::Derived, "derived key")
+}
+
+fn check_key(v: Option<&str>, max: usize, source: KeySource, what: &str) -> KeyLookup {
+    match v {
+        None => KeyLookup::Invalid(format!("{what} is not a valid header string (visible ASCII only)")),
+        Some("") => KeyLookup::Invalid(format!("{what} is empty")),
+        Some(k) if k.len() > max => KeyLookup::Invalid(format!("{what} is {} bytes, longer than the {max}-byte limit", k.len())),
+        Some(k) if !k.bytes().all(|b| (0x20..0x7f).contains(&b)) => {
+            KeyLookup::Invalid(format!("{what} is not a valid header string (visible ASCII only)"))
+        }
+        Some(k) => KeyLookup::Found {
+            key: k.to_string(),
+            source,
+        },
+    }
+}
+
+/// SHA-256 of the tenant credential headers: keys are scoped by it, so the same key under
+/// another credential is another execution. Missing and empty headers hash differently.
+pub fn tenant_scope(headers: &HeaderMap, tenant_from: &[http::HeaderName]) -> TenantScope {
+    let mut h = Sha256::new();
+    for name in tenant_from {
+        h.update(name.as_str().as_bytes());
+        match headers.get(name) {
+            Some(v) => {
+                h.update([1]);
+                h.update((v.len() as u64).to_be_bytes());
+                h.update(v.as_bytes());
+            }
+            None => h.update([0]),
+        }
+    }
+    TenantScope(hex::encode(h.finalize()))
+}
+
+/// The stable execution id of a scoped key: `ex_` + 24 URL-safe characters (144 bits of
+/// SHA-256 over tenant, upstream, route and key). Same inputs, same id, on every instance.
+pub fn execution_id(tenant: &TenantScope, upstream: &str, route: &str, key: &str) -> ExecutionId {
+    let mut h = Sha256::new();
+    for part in [tenant.as_str(), upstream, route, key] {
+        h.update((part.len() as u64).to_be_bytes());
+        h.update(part.as_bytes());
+    }
+    let digest = h.finalize();
+    let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(&digest[..18]);
+    ExecutionId(format!("ex_{b64}"))
+}
+
+/// The parent operation id, from the trusted operation header.
+pub fn operation_id(headers: &HeaderMap, id: &IdentityConfig) -> Option<String> {
+    let h = id.operation_from.as_ref()?;
+    let v = headers.get(h)?.to_str().ok()?.trim();
+    (!v.is_empty() && v.len() <= 255).then(|| v.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::from_yaml;
+    use http::HeaderValue;
+    use std::path::Path;
+
+    fn cfg() -> crate::config::Config {
+        from_yaml(
+            "identity: { derive_from: [X-Operation-Id, X-Model-Round, X-Tool-Call-Id] }\nupstreams:\n  - name: mail\n    url: http://127.0.0.1:1\n    routes:\n      - { name: send_email, tool_version: v1, match: { method: POST, path: /send } }\n",
+            Path::new("t.yaml"),
+        )
+        .expect("valid")
+    }
+
+    #[test]
+    fn derives_the_article_key() {
+        let c = cfg();
+        let mut h = HeaderMap::new();
+        h.insert("x-operation-id", HeaderValue::from_static("op_77"));
+        h.insert("x-model-round", HeaderValue::from_static("round_3"));
+        h.insert("x-tool-call-id", HeaderValue::from_static("call_123"));
+        let got = find_key(&h, &c.identity, &c.upstreams[0].routes[0], 255);
+        assert_eq!(
+            got,
+            KeyLookup::Found {
+                key: "op_77:round_3:call_123:send_email:v1".into(),
+                source: KeySource::Derived
+            }
+        );
+        h.remove("x-model-round");
+        assert_eq!(find_key(&h, &c.identity, &c.upstreams[0].routes[0], 255), KeyLookup::Missing);
+        assert_eq!(operation_id(&h, &c.identity).as_deref(), Some("op_77"));
+    }
+
+    #[test]
+    fn client_key_wins_and_is_checked() {
+        let c = cfg();
+        let r = &c.upstreams[0].routes[0];
+        let mut h = HeaderMap::new();
+        h.insert("idempotency-key", HeaderValue::from_static("k1"));
+        h.insert("x-operation-id", HeaderValue::from_static("op"));
+        assert!(matches!(find_key(&h, &c.identity, r, 255), KeyLookup::Found { source: KeySource::Client, .. }));
+        h.insert("idempotency-key", HeaderValue::from_str(&"a".repeat(256)).expect("ascii"));
+        assert!(matches!(find_key(&h, &c.identity, r, 255), KeyLookup::Invalid(_)));
+        h.insert("idempotency-key", HeaderValue::from_bytes(b"caf\xc3\xa9").expect("obs-text allowed by http"));
+        assert!(matches!(find_key(&h, &c.identity, r, 255), KeyLookup::Invalid(_)));
+        h.insert("idempotency-key", HeaderValue::from_static(""));
+        assert!(matches!(find_key(&h, &c.identity, r, 255), KeyLookup::Invalid(_)));
+    }
+
+    #[test]
+    fn ids_are_stable_url_safe_and_scoped() {
+        let t1 = tenant_scope(&HeaderMap::new(), &[http::header::AUTHORIZATION]);
+        let mut h = HeaderMap::new();
+        h.insert("authorization", HeaderValue::from_static("Bearer a"));
+        let t2 = tenant_scope(&h, &[http::header::AUTHORIZATION]);
+        assert_ne!(t1, t2);
+        let a = execution_id(&t2, "mail", "send_email", "k");
+        assert_eq!(a, execution_id(&t2, "mail", "send_email", "k"));
+        assert_ne!(a, execution_id(&t1, "mail", "send_email", "k"));
+        assert_ne!(a, execution_id(&t2, "mail", "other", "k"));
+        assert_eq!(a.as_str().len(), 27);
+        assert!(a.as_str()[3..].bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_'));
+    }
+}

@@ -1,0 +1,65 @@
+//! Building the downstream request from the client's: target URI under the upstream's
+//! base path, and headers with hop-by-hop and idempotency headers handled. Shared by the
+//! read-only and side-effect paths so both forward identically.
+
+use std::net::SocketAddr;
+
+use http::header::{HeaderMap, HeaderName, HeaderValue};
+use http::{Method, Request, Uri};
+
+use crate::config::Upstream;
+use crate::policy::classify::Target;
+use crate::wire::body::ProxyBody;
+use crate::wire::headers;
+
+/// The absolute downstream URI for `rel_path` (+ query) under `upstream`.
+pub fn uri(upstream: &Upstream, rel_path_and_query: &str) -> Result<Uri, http::Error> {
+    let path = if upstream.base_path.is_empty() {
+        rel_path_and_query.to_string()
+    } else {
+        format!("{}{}", upstream.base_path, rel_path_and_query)
+    };
+    Uri::builder()
+        .scheme(upstream.scheme.clone())
+        .authority(upstream.authority.clone())
+        .path_and_query(path)
+        .build()
+}
+
+pub fn rel_with_query(target: &Target<'_>, query: Option<&str>) -> String {
+    match query {
+        Some(q) => format!("{}?{q}", target.rel_path),
+        None => target.rel_path.clone(),
+    }
+}
+
+/// Copy the client's headers for the downstream: hop-by-hop removed, `Host` and
+/// `X-Forwarded-*` set, the client's idempotency key removed (the downstream sees only the
+/// injected execution id, SPEC section 4).
+pub fn request_headers(src: &HeaderMap, upstream: &Upstream, peer: SocketAddr, remove: &[&HeaderName]) -> HeaderMap {
+    let mut h = src.clone();
+    headers::strip_hop_by_hop(&mut h);
+    for name in remove {
+        h.remove(*name);
+    }
+    let original_host = h.remove(http::header::HOST);
+    headers::set_forwarded(&mut h, upstream.authority.as_str(), peer, original_host);
+    h
+}
+
+pub fn build(method: Method, uri: Uri, headers: HeaderMap, body: ProxyBody) -> Request<ProxyBody> {
+    let mut req = Request::new(body);
+    *req.method_mut() = method;
+    *req.uri_mut() = uri;
+    *req.headers_mut() = headers;
+    req
+}
+
+/// Response headers for the client: hop-by-hop removed.
+pub fn response_headers(h: &mut HeaderMap) {
+    headers::strip_hop_by_hop(h);
+}
+
+pub fn header_value(s: &str) -> HeaderValue {
+    HeaderValue::from_str(s).unwrap_or_else(|_| HeaderValue::from_static("invalid"))
+}

@@ -1,0 +1,86 @@
+//! Read-only routes: streamed both ways without buffering and without a record.
+//! Transient failures (connect errors, resets, 502/503/504) are retried inside the proxy
+//! per the route's `retry`, but only for requests without a body: a streamed body cannot
+//! be sent twice.
+
+use std::net::SocketAddr;
+
+use http::{Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use hyper::body::{Body, Incoming};
+
+use super::downstream;
+use super::Runtime;
+use crate::policy::classify::Target;
+use crate::wire::body::{self, ProxyBody};
+use crate::wire::client::{self, HttpClient};
+use crate::wire::problem::{Kind, Problem};
+
+pub async fn forward(
+    rt: &Runtime,
+    client: &HttpClient,
+    target: &Target<'_>,
+    req: Request<Incoming>,
+    peer: SocketAddr,
+    allow_retry: bool,
+) -> Response<ProxyBody> {
+    let (parts, incoming) = req.into_parts();
+    let rel = downstream::rel_with_query(target, parts.uri.query());
+    let uri = match downstream::uri(target.upstream, &rel) {
+        Ok(u) => u,
+        Err(e) => return Problem::new(Kind::BadRequest, format!("cannot build upstream URI: {e}")).into_response(),
+    };
+    let key_header = &rt.config.identity.key_header;
+    let headers = downstream::request_headers(&parts.headers, target.upstream, peer, &[key_header]);
+    let route = target.route;
+    let bodyless = incoming.is_end_stream();
+    let attempts = if allow_retry && bodyless { route.retry.attempts.max(1) } else { 1 };
+    let mut incoming = Some(incoming);
+    let mut backoff = route.retry.backoff;
+    for attempt in 1..=attempts {
+        let req_body = match incoming.take() {
+            Some(b) if !bodyless => b.map_err(|e| Box::new(e) as body::BoxError).boxed(),
+            _ => body::empty(),
+        };
+        let req = downstream::build(parts.method.clone(), uri.clone(), headers.clone(), req_body);
+        let last = attempt == attempts;
+        let outcome = tokio::time::timeout(route.timeout, client.request(req)).await;
+        match outcome {
+            Ok(Ok(resp)) => {
+                let transient = matches!(
+                    resp.status(),
+                    StatusCode::BAD_GATEWAY | StatusCode::SERVICE_UNAVAILABLE | StatusCode::GATEWAY_TIMEOUT
+                );
+                if transient && !last {
+                    tracing::debug!(upstream = %target.upstream.name, route = %route.name, attempt, status = %resp.status(), "transient status; retrying");
+                } else {
+                    let (mut rparts, rbody) = resp.into_parts();
+                    downstream::response_headers(&mut rparts.headers);
+                    return Response::from_parts(rparts, rbody.map_err(|e| Box::new(e) as body::BoxError).boxed());
+                }
+            }
+            Ok(Err(e)) => {
+                tracing::debug!(upstream = %target.upstream.name, route = %route.name, attempt, error = %client::describe(&e), "upstream request failed");
+                if last {
+                    return Problem::new(
+                        Kind::UpstreamUnavailable,
+                        format!("upstream `{}` failed: {}", target.upstream.name, client::describe(&e)),
+                    )
+                    .into_response();
+                }
+            }
+            Err(_) => {
+                if last {
+                    return Problem::new(
+                        Kind::UpstreamTimeout,
+                        format!("upstream `{}` did not answer within {:?}", target.upstream.name, route.timeout),
+                    )
+                    .into_response();
+                }
+            }
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = backoff.saturating_mul(2);
+    }
+    unreachable!("the last attempt always returns")
+}

@@ -1,0 +1,103 @@
+//! The downstream client: one pooled hyper client per upstream, rustls with certificate
+//! verification always on (webpki roots plus an optional CA file), HTTP/1.1 and HTTP/2 by
+//! ALPN. Also the one place that decides whether a send failure happened before any byte
+//! left ([`SendFailure::BeforeSend`]) or after ([`SendFailure::AfterSend`]).
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper_rustls::HttpsConnector;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::CertificateDer;
+
+use super::body::ProxyBody;
+
+pub type HttpClient = Client<HttpsConnector<HttpConnector>, ProxyBody>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientBuildError {
+    #[error("cannot read CA file {path}: {reason}")]
+    CaFile { path: String, reason: String },
+    #[error("TLS setup failed: {0}")]
+    Tls(String),
+}
+
+/// Build a pooled client. `ca_file` adds trusted roots (PEM) beside the webpki set.
+pub fn build(connect_timeout: Duration, ca_file: Option<&Path>) -> Result<HttpClient, ClientBuildError> {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+    if let Some(path) = ca_file {
+        let certs = CertificateDer::pem_file_iter(path)
+            .and_then(|it| it.collect::<Result<Vec<_>, _>>())
+            .map_err(|e| ClientBuildError::CaFile {
+                path: path.display().to_string(),
+                reason: e.to_string(),
+            })?;
+        if certs.is_empty() {
+            return Err(ClientBuildError::CaFile {
+                path: path.display().to_string(),
+                reason: "no PEM certificates in it".into(),
+            });
+        }
+        for c in certs {
+            roots.add(c).map_err(|e| ClientBuildError::CaFile {
+                path: path.display().to_string(),
+                reason: e.to_string(),
+            })?;
+        }
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let tls = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| ClientBuildError::Tls(e.to_string()))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let mut http = HttpConnector::new();
+    http.enforce_http(false);
+    http.set_nodelay(true);
+    http.set_connect_timeout(Some(connect_timeout));
+    let https = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http()
+        .enable_all_versions()
+        .wrap_connector(http);
+    Ok(Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(30))
+        .pool_max_idle_per_host(256)
+        .build(https))
+}
+
+/// When a send failed, relative to the request leaving the proxy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SendFailure {
+    /// Connect, DNS or TLS handshake failed: no request byte reached the downstream.
+    BeforeSend,
+    /// The request may have been (partly) delivered: reset, EOF, timeout, body error.
+    AfterSend,
+}
+
+pub fn classify(err: &hyper_util::client::legacy::Error) -> SendFailure {
+    // hyper-util marks every error raised by the connector (TCP connect, DNS, TLS
+    // handshake) as a connect error; only those are provably before the first byte.
+    if err.is_connect() {
+        SendFailure::BeforeSend
+    } else {
+        SendFailure::AfterSend
+    }
+}
+
+/// Error text without the request (it may carry arguments): the source chain only.
+pub fn describe(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = err.to_string();
+    let mut src = err.source();
+    while let Some(s) = src {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        src = s.source();
+    }
+    out
+}

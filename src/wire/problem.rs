@@ -1,0 +1,194 @@
+//! RFC 9457 problem details: every error the proxy itself answers is one of these, with
+//! `type` = `urn:idemproxy:problem:NAME`. The mapping from a problem name to its HTTP status
+//! lives here and nowhere else.
+
+use http::{HeaderValue, Response, StatusCode};
+use serde_json::{json, Map, Value};
+
+use super::body::{full, ProxyBody};
+use crate::policy::identity::ExecutionId;
+
+/// The problems the proxy answers with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    KeyMissing,
+    KeyInvalid,
+    KeyMismatch,
+    InFlight,
+    OutcomeUnknown,
+    OutcomeUnknownTimeout,
+    BodyTooLarge,
+    ResponseTooLarge,
+    ApprovalRequired,
+    Rejected,
+    Cancelled,
+    UpstreamUnavailable,
+    UpstreamTimeout,
+    NoRoute,
+    RouteUnmatched,
+    StoreUnavailable,
+    BadRequest,
+    Unauthorized,
+    NotFound,
+    Conflict,
+    Internal,
+}
+
+impl Kind {
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::KeyMissing => "key-missing",
+            Kind::KeyInvalid => "key-invalid",
+            Kind::KeyMismatch => "key-mismatch",
+            Kind::InFlight => "in-flight",
+            Kind::OutcomeUnknown | Kind::OutcomeUnknownTimeout => "outcome-unknown",
+            Kind::BodyTooLarge => "body-too-large",
+            Kind::ResponseTooLarge => "response-too-large",
+            Kind::ApprovalRequired => "approval-required",
+            Kind::Rejected => "rejected",
+            Kind::Cancelled => "cancelled",
+            Kind::UpstreamUnavailable => "upstream-unavailable",
+            Kind::UpstreamTimeout => "upstream-timeout",
+            Kind::NoRoute => "no-route",
+            Kind::RouteUnmatched => "route-unmatched",
+            Kind::StoreUnavailable => "store-unavailable",
+            Kind::BadRequest => "bad-request",
+            Kind::Unauthorized => "unauthorized",
+            Kind::NotFound => "not-found",
+            Kind::Conflict => "conflict",
+            Kind::Internal => "internal",
+        }
+    }
+
+    pub fn status(self) -> StatusCode {
+        match self {
+            Kind::KeyMissing | Kind::KeyInvalid | Kind::BadRequest => StatusCode::BAD_REQUEST,
+            Kind::KeyMismatch => StatusCode::UNPROCESSABLE_ENTITY,
+            Kind::InFlight | Kind::Cancelled | Kind::Conflict => StatusCode::CONFLICT,
+            Kind::OutcomeUnknown | Kind::UpstreamUnavailable | Kind::ResponseTooLarge => StatusCode::BAD_GATEWAY,
+            Kind::OutcomeUnknownTimeout | Kind::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
+            Kind::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Kind::ApprovalRequired => StatusCode::PRECONDITION_REQUIRED,
+            Kind::Rejected => StatusCode::FORBIDDEN,
+            Kind::NoRoute | Kind::RouteUnmatched | Kind::NotFound => StatusCode::NOT_FOUND,
+            Kind::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            Kind::Unauthorized => StatusCode::UNAUTHORIZED,
+            Kind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    fn title(self) -> &'static str {
+        match self {
+            Kind::KeyMissing => "Idempotency key missing",
+            Kind::KeyInvalid => "Idempotency key invalid",
+            Kind::KeyMismatch => "Idempotency key reused with different arguments",
+            Kind::InFlight => "Execution in flight",
+            Kind::OutcomeUnknown | Kind::OutcomeUnknownTimeout => "Outcome unknown",
+            Kind::BodyTooLarge => "Request body too large",
+            Kind::ResponseTooLarge => "Upstream response too large",
+            Kind::ApprovalRequired => "Approval required",
+            Kind::Rejected => "Execution rejected",
+            Kind::Cancelled => "Operation cancelled",
+            Kind::UpstreamUnavailable => "Upstream unavailable",
+            Kind::UpstreamTimeout => "Upstream timed out",
+            Kind::NoRoute => "No upstream for this path",
+            Kind::RouteUnmatched => "No route matches",
+            Kind::StoreUnavailable => "Execution store unavailable",
+            Kind::BadRequest => "Bad request",
+            Kind::Unauthorized => "Unauthorized",
+            Kind::NotFound => "Not found",
+            Kind::Conflict => "Conflict",
+            Kind::Internal => "Internal error",
+        }
+    }
+}
+
+/// One problem answer under construction.
+#[derive(Debug)]
+pub struct Problem {
+    pub kind: Kind,
+    pub detail: String,
+    pub execution_id: Option<ExecutionId>,
+    pub extra: Map<String, Value>,
+    pub headers: Vec<(&'static str, HeaderValue)>,
+}
+
+impl Problem {
+    pub fn new(kind: Kind, detail: impl Into<String>) -> Problem {
+        Problem {
+            kind,
+            detail: detail.into(),
+            execution_id: None,
+            extra: Map::new(),
+            headers: Vec::new(),
+        }
+    }
+
+    pub fn execution(mut self, id: &ExecutionId) -> Problem {
+        self.execution_id = Some(id.clone());
+        self
+    }
+
+    pub fn with(mut self, key: &str, value: impl Into<Value>) -> Problem {
+        self.extra.insert(key.to_string(), value.into());
+        self
+    }
+
+    pub fn header(mut self, name: &'static str, value: HeaderValue) -> Problem {
+        self.headers.push((name, value));
+        self
+    }
+
+    pub fn into_response(self) -> Response<ProxyBody> {
+        let status = self.kind.status();
+        let mut body = json!({
+            "type": format!("urn:idemproxy:problem:{}", self.kind.name()),
+            "title": self.kind.title(),
+            "status": status.as_u16(),
+            "detail": self.detail,
+        });
+        let obj = body.as_object_mut().expect("built as an object above");
+        if let Some(id) = &self.execution_id {
+            obj.insert("execution_id".into(), Value::String(id.to_string()));
+        }
+        obj.extend(self.extra);
+        let bytes = serde_json::to_vec(&body).expect("JSON values always serialize");
+        let mut resp = Response::new(full(bytes));
+        *resp.status_mut() = status;
+        let h = resp.headers_mut();
+        h.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+        h.insert(http::header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+        if let Some(id) = &self.execution_id {
+            if let Ok(v) = HeaderValue::from_str(id.as_str()) {
+                h.insert(super::headers::EXECUTION_ID, v);
+            }
+        }
+        for (name, value) in self.headers {
+            h.insert(name, value);
+        }
+        resp
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::BodyExt;
+
+    #[tokio::test]
+    async fn renders_rfc9457() {
+        let resp = Problem::new(Kind::KeyMismatch, "different arguments")
+            .execution(&ExecutionId("ex_1".into()))
+            .with("args_hash", "ab")
+            .into_response();
+        assert_eq!(resp.status(), 422);
+        assert_eq!(resp.headers()["content-type"], "application/problem+json");
+        assert_eq!(resp.headers()["idempotency-execution-id"], "ex_1");
+        let body = resp.into_body().collect().await.expect("full body").to_bytes();
+        let v: Value = serde_json::from_slice(&body).expect("json");
+        assert_eq!(v["type"], "urn:idemproxy:problem:key-mismatch");
+        assert_eq!(v["status"], 422);
+        assert_eq!(v["execution_id"], "ex_1");
+        assert_eq!(v["args_hash"], "ab");
+    }
+}
