@@ -10,6 +10,7 @@
 //! - [`config`]: the YAML contract, validated once into the form the hot path uses.
 #![forbid(unsafe_code)]
 
+pub mod app;
 pub mod config;
 pub mod failpoint;
 pub mod policy;

@@ -1,1 +1,220 @@
-fn main() {}
+//! The `idemproxy` binary: argument parsing, logging setup and exit codes only; every
+//! command is a function of [`idemproxy::app`].
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use idemproxy::config::{Config, DEFAULT_PATH};
+use idemproxy::policy::state::State;
+
+#[derive(Parser)]
+#[command(name = "idemproxy", version, about = "Forward idempotency proxy for AI agents calling real APIs")]
+struct Cli {
+    /// Log format.
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text, env = "IDEMPROXY_LOG_FORMAT")]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the proxy.
+    Serve {
+        #[arg(long, default_value = DEFAULT_PATH)]
+        config: PathBuf,
+    },
+    /// Validate a config and print the route table (exit 0 valid, 2 invalid).
+    Check {
+        #[arg(long, default_value = DEFAULT_PATH)]
+        config: PathBuf,
+    },
+    /// Inspect stored executions.
+    Records {
+        #[arg(long, default_value = DEFAULT_PATH, global = true)]
+        config: PathBuf,
+        #[command(subcommand)]
+        command: RecordsCommand,
+    },
+    /// Operator decision for an `outcome_unknown` record.
+    Resolve {
+        id: String,
+        #[arg(long = "as", value_enum)]
+        outcome: Outcome,
+        /// JSON file with the result to store when resolving as committed:
+        /// {"status":200,"headers":[["content-type","application/json"]],"body":{...}}.
+        #[arg(long)]
+        result: Option<PathBuf>,
+        #[arg(long, default_value = DEFAULT_PATH)]
+        config: PathBuf,
+    },
+    /// Remove records past retention.
+    Gc {
+        #[arg(long, default_value = DEFAULT_PATH)]
+        config: PathBuf,
+    },
+}
+
+#[derive(Subcommand)]
+enum RecordsCommand {
+    List {
+        #[arg(long)]
+        status: Option<String>,
+        #[arg(long, default_value_t = 50)]
+        limit: usize,
+    },
+    Show {
+        id: String,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Outcome {
+    Committed,
+    NotCommitted,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(cli.log_format);
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    runtime.block_on(run(cli.command))
+}
+
+fn load(path: &std::path::Path) -> Result<Config, ExitCode> {
+    Config::load(path).map_err(|e| {
+        eprintln!("{e}");
+        ExitCode::from(2)
+    })
+}
+
+async fn run(cmd: Command) -> ExitCode {
+    let result = match cmd {
+        Command::Check { config } => {
+            return match load(&config) {
+                Ok(cfg) => {
+                    print!("{}", cfg.describe());
+                    println!("{}: ok", config.display());
+                    ExitCode::SUCCESS
+                }
+                Err(code) => code,
+            };
+        }
+        Command::Serve { config } => match load(&config) {
+            Ok(cfg) => idemproxy::app::serve(cfg).await,
+            Err(code) => return code,
+        },
+        Command::Records { config, command } => {
+            let cfg = match load(&config) {
+                Ok(c) => c,
+                Err(code) => return code,
+            };
+            match command {
+                RecordsCommand::List { status, limit } => {
+                    let status = match status.map(|s| s.parse::<State>()).transpose() {
+                        Ok(s) => s,
+                        Err(e) => {
+                            eprintln!("error: --status: {e}");
+                            return ExitCode::from(2);
+                        }
+                    };
+                    idemproxy::app::records_list(&cfg, status, limit).await.map(|records| {
+                        println!("{:<28} {:<24} {:<28} {:>3} {:>8}", "EXECUTION_ID", "STATE", "UPSTREAM/ROUTE", "TRY", "STATUS");
+                        for r in records {
+                            let status = r.response.as_ref().map(|s| s.status.to_string()).unwrap_or_else(|| "-".into());
+                            println!(
+                                "{:<28} {:<24} {:<28} {:>3} {:>8}",
+                                r.id,
+                                r.state(),
+                                format!("{}/{}", r.upstream, r.route),
+                                r.attempts,
+                                status
+                            );
+                        }
+                    })
+                }
+                RecordsCommand::Show { id } => idemproxy::app::records_show(&cfg, &id).await.map(|r| {
+                    println!("{}", serde_json::to_string_pretty(&r).expect("records serialize"));
+                }),
+            }
+        }
+        Command::Resolve { id, outcome, result, config } => {
+            let cfg = match load(&config) {
+                Ok(c) => c,
+                Err(code) => return code,
+            };
+            let stored = match result.map(|p| read_result(&p)).transpose() {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("error: --result: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+            async {
+                let store = idemproxy::app::open_store(&cfg).await?;
+                let by = std::env::var("USER").unwrap_or_else(|_| "operator".into());
+                let r = idemproxy::app::resolve(store.as_ref(), &id, matches!(outcome, Outcome::Committed), stored, &format!("cli:{by}")).await?;
+                println!("{} is now {}", r.id, r.state());
+                Ok(())
+            }
+            .await
+        }
+        Command::Gc { config } => match load(&config) {
+            Ok(cfg) => idemproxy::app::gc(&cfg).await.map(|n| println!("removed {n} records past retention")),
+            Err(code) => return code,
+        },
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// `--result` file: status, headers as pairs, body as any JSON value (stored as its text).
+fn read_result(path: &std::path::Path) -> anyhow::Result<idemproxy::store::StoredResponse> {
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct ResultFile {
+        status: u16,
+        #[serde(default)]
+        headers: Vec<(String, String)>,
+        body: serde_json::Value,
+    }
+    let text = std::fs::read_to_string(path)?;
+    let f: ResultFile = serde_json::from_str(&text)?;
+    let mut headers: Vec<(String, Vec<u8>)> = f.headers.into_iter().map(|(n, v)| (n.to_ascii_lowercase(), v.into_bytes())).collect();
+    if !headers.iter().any(|(n, _)| n == "content-type") {
+        headers.push(("content-type".into(), b"application/json".to_vec()));
+    }
+    Ok(idemproxy::store::StoredResponse {
+        status: f.status,
+        headers,
+        body: serde_json::to_vec(&f.body)?,
+    })
+}
+
+fn init_logging(format: LogFormat) {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_env("IDEMPROXY_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}

@@ -1,0 +1,183 @@
+//! The commands of the `idemproxy` binary, as library functions: opening the configured
+//! store, running the proxy with its background tasks and signals, and the offline
+//! operator commands (`records`, `resolve`, `gc`). `main.rs` only parses arguments.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use tokio::net::TcpListener;
+
+use crate::config::{Config, StoreBackend};
+use crate::policy::identity::ExecutionId;
+use crate::policy::state::{Event, State};
+use crate::proxy::{recovery, Proxy, Runtime};
+use crate::store::{now_ms, ListFilter, Record, Store, StoredResponse};
+
+/// Open the store the config names. For redb the file is created if missing.
+pub async fn open_store(cfg: &Config) -> anyhow::Result<Arc<dyn Store>> {
+    match &cfg.store.backend {
+        StoreBackend::Redb { path } => {
+            let store = crate::store::redb::RedbStore::open(path)
+                .with_context(|| format!("opening redb store {}", path.display()))?;
+            Ok(Arc::new(store))
+        }
+        StoreBackend::Postgres { url_env, schema } => open_postgres(url_env, schema).await,
+    }
+}
+
+async fn open_postgres(url_env: &str, schema: &str) -> anyhow::Result<Arc<dyn Store>> {
+    let url = std::env::var(url_env)
+        .with_context(|| format!("store.backend is postgres but the environment variable {url_env} (store.url_env) is not set"))?;
+    postgres_store(&url, schema).await
+}
+
+async fn postgres_store(url: &str, schema: &str) -> anyhow::Result<Arc<dyn Store>> {
+    let _ = (url, schema);
+    bail!("the postgres backend is not available in this build")
+}
+
+/// Handle on a running proxy (used by `serve` and by tests that embed the proxy).
+pub struct Running {
+    pub addr: std::net::SocketAddr,
+    pub proxy: Arc<Proxy>,
+    shutdown: tokio::sync::watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Running {
+    /// Stop accepting, drain, and wait for the server task.
+    pub async fn stop(self) {
+        let _ = self.shutdown.send(true);
+        let _ = self.task.await;
+    }
+}
+
+/// Start the proxy listener and background tasks on an opened store.
+pub async fn start(cfg: Config, store: Arc<dyn Store>) -> anyhow::Result<Running> {
+    let listen = cfg.listen;
+    let lease = cfg.store.lease;
+    let gc_every = cfg.store.gc_interval;
+    let exclusive = matches!(cfg.store.backend, StoreBackend::Redb { .. });
+    // A redb file is locked by one process: every `executing` record in it belongs to a
+    // previous run that died, whatever its lease says. A shared store waits for leases.
+    let before = if exclusive { i64::MAX } else { now_ms() };
+    let moved = recovery::recover_stale(store.as_ref(), before).await.context("recovering stale executions")?;
+    if moved > 0 {
+        tracing::warn!(count = moved, "executions left by a stopped instance are now outcome_unknown");
+    }
+    let runtime = Runtime::new(cfg).context("building upstream clients")?;
+    let proxy = Proxy::new(runtime, store.clone());
+    let listener = TcpListener::bind(listen).await.with_context(|| format!("binding the proxy listener {listen}"))?;
+    let addr = listener.local_addr()?;
+    let (tx, mut rx) = tokio::sync::watch::channel(false);
+    let keeper = recovery::spawn_lease_keeper(store.clone(), proxy.owner.clone(), lease);
+    let gc = recovery::spawn_gc(store.clone(), gc_every);
+    let p = proxy.clone();
+    let task = tokio::spawn(async move {
+        let handler = move |req, peer| p.clone().handle(req, peer);
+        let shutdown = async move {
+            let _ = rx.wait_for(|stop| *stop).await;
+        };
+        crate::wire::server::serve(listener, handler, shutdown, Duration::from_secs(30)).await;
+        keeper.abort();
+        gc.abort();
+    });
+    tracing::info!(%addr, "proxy listening");
+    Ok(Running {
+        addr,
+        proxy,
+        shutdown: tx,
+        task,
+    })
+}
+
+/// `idemproxy serve`: run until SIGTERM/SIGINT (drain) with SIGHUP reloading the config.
+pub async fn serve(cfg: Config) -> anyhow::Result<()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let source = cfg.source.clone();
+    let store = open_store(&cfg).await?;
+    let running = start(cfg, store).await?;
+    println!("idemproxy listening on {}", running.addr);
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    let mut hup = signal(SignalKind::hangup())?;
+    loop {
+        tokio::select! {
+            _ = term.recv() => break,
+            _ = int.recv() => break,
+            _ = hup.recv() => reload(&running.proxy, &source),
+        }
+    }
+    tracing::info!("shutting down: draining in-flight requests");
+    running.stop().await;
+    Ok(())
+}
+
+/// SIGHUP: routes, limits and identity change live; listen address and store need a restart.
+fn reload(proxy: &Proxy, source: &std::path::Path) {
+    match Config::load(source) {
+        Ok(cfg) => {
+            let old = proxy.runtime();
+            if cfg.listen != old.config.listen {
+                tracing::warn!("listen address changes need a restart; keeping {}", old.config.listen);
+            }
+            match Runtime::new(cfg) {
+                Ok(rt) => {
+                    proxy.reload(rt);
+                    tracing::info!(file = %source.display(), "configuration reloaded");
+                }
+                Err(e) => tracing::error!(error = %e, "reload rejected"),
+            }
+        }
+        Err(e) => tracing::error!(error = %e, "reload rejected; keeping the running configuration"),
+    }
+}
+
+/// `idemproxy records list`.
+pub async fn records_list(cfg: &Config, status: Option<State>, limit: usize) -> anyhow::Result<Vec<Record>> {
+    let store = open_store(cfg).await?;
+    Ok(store
+        .list(&ListFilter {
+            status,
+            limit,
+            ..ListFilter::default()
+        })
+        .await?)
+}
+
+/// `idemproxy records show`.
+pub async fn records_show(cfg: &Config, id: &str) -> anyhow::Result<Record> {
+    let store = open_store(cfg).await?;
+    match store.get(&ExecutionId(id.to_string())).await? {
+        Some(r) => Ok(r),
+        None => bail!("no execution record {id}"),
+    }
+}
+
+/// `idemproxy resolve ID --as committed|not-committed`: an operator's decision on an
+/// `outcome_unknown` record, validated by the state machine.
+pub async fn resolve(store: &dyn Store, id: &str, committed: bool, result: Option<StoredResponse>, by: &str) -> anyhow::Result<Record> {
+    let id = ExecutionId(id.to_string());
+    let Some(mut r) = store.get(&id).await? else {
+        bail!("no execution record {id}");
+    };
+    let event = if committed { Event::ResolveCommitted } else { Event::ResolveNotCommitted };
+    let note = format!("resolved by {by} as {}", if committed { "committed" } else { "not committed" });
+    r.apply(event, now_ms(), Some(note)).map_err(|e| anyhow::anyhow!("cannot resolve {id}: {e}"))?;
+    if committed {
+        r.response = Some(result.unwrap_or_else(|| StoredResponse {
+            status: 200,
+            headers: vec![("content-type".into(), b"application/json".to_vec())],
+            body: serde_json::to_vec(&serde_json::json!({ "resolved": "committed", "execution_id": id.as_str() }))
+                .expect("literal JSON serializes"),
+        }));
+    }
+    Ok(store.update(r).await?)
+}
+
+/// `idemproxy gc`.
+pub async fn gc(cfg: &Config) -> anyhow::Result<u64> {
+    let store = open_store(cfg).await?;
+    Ok(recovery::sweep(store.as_ref()).await?)
+}
