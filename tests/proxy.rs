@@ -1,0 +1,382 @@
+//! End-to-end behaviour of the core proxy (SPEC sections 4–6): the real binary, a real
+//! redb file, the fake downstream counting side effects.
+
+mod common;
+
+use std::time::Duration;
+
+use common::fake_downstream::FakeDownstream;
+use common::*;
+use http::{Method, StatusCode};
+
+const AUTH_A: (&str, &str) = ("authorization", "Bearer tenant-a");
+const AUTH_B: (&str, &str) = ("authorization", "Bearer tenant-b");
+
+async fn setup() -> (tempfile::TempDir, FakeDownstream, ProxyProc) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ds = FakeDownstream::start().await;
+    let proxy = ProxyProc::start(dir.path(), &config(dir.path(), &ds.url()));
+    (dir, ds, proxy)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn duplicate_post_replays_with_one_commit() {
+    let (_dir, ds, proxy) = setup().await;
+    let c = client();
+    let url = proxy.url("/mail/send");
+    let first = post(&c, &url, &[AUTH_A, ("idempotency-key", "k-1")], r#"{"to":"a@x","subject":"hi"}"#).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    assert_eq!(first.header("idempotent-replayed"), None);
+    let exec_id = first.header("idempotency-execution-id").expect("execution id").to_string();
+    for _ in 0..3 {
+        let again = post(&c, &url, &[AUTH_A, ("idempotency-key", "k-1")], r#"{"to":"a@x","subject":"hi"}"#).await;
+        assert_eq!(again.status, StatusCode::CREATED);
+        assert_eq!(again.header("idempotent-replayed"), Some("true"));
+        assert_eq!(again.header("idempotency-execution-id"), Some(exec_id.as_str()));
+        assert_eq!(again.body, first.body, "replay returns the original body");
+        assert_eq!(again.header("x-request-id"), first.header("x-request-id"), "stored headers replayed");
+    }
+    assert_eq!(ds.commits(), 1);
+    // The downstream saw exactly one key header, the execution id, not the client's key.
+    let seen = ds.last_request("/send").expect("downstream was called");
+    assert_eq!(seen.header_values("idempotency-key"), vec![exec_id.clone()]);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn json_spelling_does_not_change_the_hash_but_values_do() {
+    let (_dir, ds, proxy) = setup().await;
+    let c = client();
+    let url = proxy.url("/mail/send");
+    let k = [AUTH_A, ("idempotency-key", "k-json")];
+    let a = post(&c, &url, &k, r#"{"to":"a@x","amount":1.0,"meta":{"b":2,"a":1},"client_ts":1}"#).await;
+    assert_eq!(a.status, StatusCode::CREATED);
+    let b = post(&c, &url, &k, "{ \"meta\" : {\"a\":1, \"b\":2},\n \"amount\": 1, \"to\":\"a@x\", \"client_ts\": 99 }").await;
+    assert_eq!(b.status, StatusCode::CREATED, "{b:?}");
+    assert_eq!(b.header("idempotent-replayed"), Some("true"));
+    let changed = post(&c, &url, &k, r#"{"to":"a@x","amount":2,"meta":{"b":2,"a":1}}"#).await;
+    assert_eq!(changed.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(changed.problem_type(), "urn:idemproxy:problem:key-mismatch");
+    assert_eq!(changed.json()["execution_id"].as_str(), a.header("idempotency-execution-id"));
+    assert_eq!(ds.commits(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn twenty_concurrent_duplicates_make_one_commit() {
+    let (_dir, ds, proxy) = setup().await;
+    ds.set_delay(Duration::from_millis(300));
+    let c = client();
+    let url = proxy.url("/mail/send");
+    let mut tasks = Vec::new();
+    for _ in 0..20 {
+        let (c, url) = (c.clone(), url.clone());
+        tasks.push(tokio::spawn(async move {
+            post(&c, &url, &[AUTH_A, ("idempotency-key", "k-race")], r#"{"to":"r@x"}"#).await
+        }));
+    }
+    let mut created = 0;
+    let mut in_flight = 0;
+    for t in tasks {
+        let r = t.await.expect("task");
+        match r.status {
+            StatusCode::CREATED => created += 1,
+            StatusCode::CONFLICT => {
+                assert_eq!(r.problem_type(), "urn:idemproxy:problem:in-flight");
+                assert_eq!(r.header("retry-after"), Some("1"));
+                in_flight += 1;
+            }
+            other => panic!("unexpected {other}: {r:?}"),
+        }
+    }
+    assert_eq!(created + in_flight, 20);
+    assert!(created >= 1);
+    assert_eq!(ds.commits(), 1, "exactly one downstream commit");
+    let after = post(&c, &url, &[AUTH_A, ("idempotency-key", "k-race")], r#"{"to":"r@x"}"#).await;
+    assert_eq!(after.header("idempotent-replayed"), Some("true"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn concurrent_wait_holds_duplicates_and_replays() {
+    let (_dir, ds, proxy) = setup().await;
+    ds.set_delay(Duration::from_millis(300));
+    let c = client();
+    let url = proxy.url("/mail/keyed/send");
+    let mut tasks = Vec::new();
+    for _ in 0..10 {
+        let (c, url) = (c.clone(), url.clone());
+        tasks.push(tokio::spawn(async move {
+            post(&c, &url, &[AUTH_A, ("idempotency-key", "k-wait")], r#"{"to":"w@x"}"#).await
+        }));
+    }
+    let mut bodies = Vec::new();
+    for t in tasks {
+        let r = t.await.expect("task");
+        assert_eq!(r.status, StatusCode::CREATED, "{r:?}");
+        bodies.push(r.body);
+    }
+    assert!(bodies.windows(2).all(|w| w[0] == w[1]), "every duplicate got the same result");
+    assert_eq!(ds.commits(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn same_key_under_two_credentials_is_two_executions() {
+    let (_dir, ds, proxy) = setup().await;
+    let c = client();
+    let url = proxy.url("/mail/send");
+    let a = post(&c, &url, &[AUTH_A, ("idempotency-key", "shared")], r#"{"to":"a@x"}"#).await;
+    let b = post(&c, &url, &[AUTH_B, ("idempotency-key", "shared")], r#"{"to":"b@x"}"#).await;
+    assert_eq!(a.status, StatusCode::CREATED);
+    assert_eq!(b.status, StatusCode::CREATED, "different args under another tenant is not a mismatch");
+    assert_eq!(b.header("idempotent-replayed"), None, "no cross-tenant replay");
+    assert_ne!(a.header("idempotency-execution-id"), b.header("idempotency-execution-id"));
+    assert_ne!(a.body, b.body);
+    assert_eq!(ds.commits(), 2);
+    let a2 = post(&c, &url, &[AUTH_A, ("idempotency-key", "shared")], r#"{"to":"a@x"}"#).await;
+    assert_eq!(a2.body, a.body);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn derived_keys_from_trusted_headers() {
+    let (_dir, ds, proxy) = setup().await;
+    let c = client();
+    let url = proxy.url("/mail/send");
+    let call = |call_id: &'static str| {
+        [AUTH_A, ("x-operation-id", "op_77"), ("x-model-round", "round_3"), ("x-tool-call-id", call_id)]
+    };
+    let first = post(&c, &url, &call("call_123"), r#"{"to":"a@x"}"#).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let retry = post(&c, &url, &call("call_123"), r#"{"to":"a@x"}"#).await;
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    // A parallel call in the same round is a separate execution.
+    let parallel = post(&c, &url, &call("call_124"), r#"{"to":"b@x"}"#).await;
+    assert_eq!(parallel.status, StatusCode::CREATED);
+    assert_eq!(parallel.header("idempotent-replayed"), None);
+    assert_eq!(ds.commits(), 2);
+    // Missing one of the derive_from headers and no key: key-missing, nothing sent.
+    let partial = post(&c, &url, &[AUTH_A, ("x-operation-id", "op_77")], r#"{"to":"a@x"}"#).await;
+    assert_eq!(partial.status, StatusCode::BAD_REQUEST);
+    assert_eq!(partial.problem_type(), "urn:idemproxy:problem:key-missing");
+    assert_eq!(ds.commits(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bad_keys_and_bodies_are_refused_before_anything_is_sent() {
+    let (_dir, ds, proxy) = setup().await;
+    let c = client();
+    let url = proxy.url("/mail/send");
+    let long = "k".repeat(65);
+    let r = post(&c, &url, &[("idempotency-key", long.as_str())], "{}").await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    assert_eq!(r.problem_type(), "urn:idemproxy:problem:key-invalid");
+    let big = format!(r#"{{"blob":"{}"}}"#, "x".repeat(5000));
+    let r = post(&c, &url, &[("idempotency-key", "k-big")], &big).await;
+    assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(r.problem_type(), "urn:idemproxy:problem:body-too-large");
+    let r = post(&c, &url, &[], "{}").await;
+    assert_eq!(r.problem_type(), "urn:idemproxy:problem:key-missing");
+    assert_eq!(ds.hits(), 0, "nothing reached the downstream");
+    // The body limit did not burn the key: the same key with a small body executes.
+    let ok = post(&c, &url, &[("idempotency-key", "k-big")], "{}").await;
+    assert_eq!(ok.status, StatusCode::CREATED);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn read_only_routes_pass_through_unrecorded_with_retries() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ds = FakeDownstream::start().await;
+    let proxy = ProxyProc::start(dir.path(), &config(dir.path(), &ds.url()));
+    let c = client();
+    // Commit one message, then read it through the read-only route.
+    let sent = post(&c, &proxy.url("/mail/send"), &[("idempotency-key", "k-ro")], r#"{"to":"a@x"}"#).await;
+    let id = sent.json()["id"].as_str().expect("message id").to_string();
+    for _ in 0..3 {
+        let got = send(&c, Method::GET, &proxy.url(&format!("/mail/messages/{id}")), &[], "").await;
+        assert_eq!(got.status, StatusCode::OK);
+        assert_eq!(got.header("idempotent-replayed"), None);
+    }
+    // /flaky fails every other call with 503; the proxy retries inside.
+    for _ in 0..4 {
+        let r = send(&c, Method::GET, &proxy.url("/mail/flaky"), &[], "").await;
+        assert_eq!(r.status, StatusCode::OK, "{r:?}");
+    }
+    // Unmatched GET under the mount is read-only by method.
+    let w = send(&c, Method::GET, &proxy.url("/mail/weather?city=Oslo"), &[], "").await;
+    assert_eq!(w.status, StatusCode::OK);
+    assert_eq!(ds.commits(), 1);
+    proxy.terminate();
+    let rows = records(&dir.path().join("idemproxy.yaml"));
+    assert_eq!(rows.len(), 1, "only the side effect is recorded: {rows:?}");
+    assert!(rows[0].contains("mail/send_email"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn hop_by_hop_headers_and_forwarding_headers() {
+    let (_dir, ds, proxy) = setup().await;
+    let c = client();
+    let r = post(
+        &c,
+        &proxy.url("/mail/echo/x?b=2&a=1"),
+        &[("idempotency-key", "client-key"), ("connection", "x-hop"), ("x-hop", "secret"), ("x-custom", "kept")],
+        r#"{"a":1}"#,
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK, "{r:?}");
+    let echo = r.json();
+    let h = &echo["headers"];
+    assert!(h.get("x-hop").is_none(), "connection-named header stripped: {h}");
+    assert_eq!(h["x-custom"][0], "kept");
+    assert_eq!(h["idempotency-key"].as_array().map(|a| a.len()), Some(1));
+    assert_ne!(h["idempotency-key"][0], "client-key", "the client's key is not forwarded as is");
+    assert_eq!(h["host"][0].as_str(), Some(ds.addr().to_string().as_str()));
+    assert_eq!(h["x-forwarded-for"][0], "127.0.0.1");
+    assert_eq!(h["x-forwarded-proto"][0], "http");
+    assert_eq!(echo["query"], "b=2&a=1");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn http2_clients_are_served() {
+    let (_dir, ds, proxy) = setup().await;
+    let c = h2_client();
+    let r = post(&c, &proxy.url("/mail/send"), &[("idempotency-key", "k-h2")], "{}").await;
+    assert_eq!(r.status, StatusCode::CREATED);
+    let again = post(&c, &proxy.url("/mail/send"), &[("idempotency-key", "k-h2")], "{}").await;
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(ds.commits(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn connect_failure_is_failed_before_commit_and_may_run_again() {
+    let (_dir, _ds, proxy) = setup().await;
+    let c = client();
+    let url = proxy.url("/dead/send");
+    for _ in 0..2 {
+        let r = post(&c, &url, &[("idempotency-key", "k-dead")], "{}").await;
+        assert_eq!(r.status, StatusCode::BAD_GATEWAY, "{r:?}");
+        assert_eq!(r.problem_type(), "urn:idemproxy:problem:upstream-unavailable");
+        assert_eq!(r.header("idempotency-status"), Some("failed_before_commit"));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn lost_connection_after_send_is_outcome_unknown_and_never_resent() {
+    let (_dir, ds, proxy) = setup().await;
+    let c = client();
+    let url = proxy.url("/mail/drop-after-commit/send");
+    let r = post(&c, &url, &[("idempotency-key", "k-drop")], "{}").await;
+    assert_eq!(r.status, StatusCode::BAD_GATEWAY, "{r:?}");
+    assert_eq!(r.problem_type(), "urn:idemproxy:problem:outcome-unknown");
+    assert_eq!(r.header("idempotency-status"), Some("outcome_unknown"));
+    let retry = post(&c, &url, &[("idempotency-key", "k-drop")], "{}").await;
+    assert_eq!(retry.status, StatusCode::CONFLICT);
+    assert_eq!(retry.problem_type(), "urn:idemproxy:problem:outcome-unknown");
+    assert_eq!(ds.commits(), 1);
+    // Timeout after the downstream committed: 504, and also never re-sent.
+    let url = proxy.url("/mail/timeout-after-commit/send");
+    let r = post(&c, &url, &[("idempotency-key", "k-hang")], "{}").await;
+    assert_eq!(r.status, StatusCode::GATEWAY_TIMEOUT, "{r:?}");
+    assert_eq!(r.header("idempotency-status"), Some("outcome_unknown"));
+    let retry = post(&c, &url, &[("idempotency-key", "k-hang")], "{}").await;
+    assert_eq!(retry.status, StatusCode::CONFLICT);
+    assert_eq!(ds.commits(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn on_5xx_policies() {
+    let (_dir, ds, proxy) = setup().await;
+    let c = client();
+    // failed_before_commit: the 500 is passed on and a retry executes again.
+    let url = proxy.url("/mail/fail-before-commit/send");
+    for _ in 0..2 {
+        let r = post(&c, &url, &[("idempotency-key", "k-5xx-a")], "{}").await;
+        assert_eq!(r.status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(r.header("idempotency-status"), Some("failed_before_commit"));
+    }
+    assert_eq!(ds.hits_on("/fail-before-commit/send"), 2);
+    // outcome_unknown (default): the 500 is passed on; a retry is not re-sent.
+    let url = proxy.url("/mail/fail-after-commit/send");
+    let r = post(&c, &url, &[("idempotency-key", "k-5xx-b")], "{}").await;
+    assert_eq!(r.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(r.header("idempotency-status"), Some("outcome_unknown"));
+    let retry = post(&c, &url, &[("idempotency-key", "k-5xx-b")], "{}").await;
+    assert_eq!(retry.status, StatusCode::CONFLICT);
+    assert_eq!(ds.hits_on("/fail-after-commit/send"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn committed_results_survive_sigterm_and_sigkill_restarts() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ds = FakeDownstream::start().await;
+    let yaml = config(dir.path(), &ds.url());
+    let c = client();
+    let proxy = ProxyProc::start(dir.path(), &yaml);
+    let first = post(&c, &proxy.url("/mail/send"), &[("idempotency-key", "k-durable")], r#"{"n":1}"#).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(proxy.terminate().code(), Some(0), "SIGTERM exits cleanly");
+
+    let proxy = ProxyProc::start(dir.path(), &yaml);
+    let again = post(&c, &proxy.url("/mail/send"), &[("idempotency-key", "k-durable")], r#"{"n":1}"#).await;
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(again.body, first.body);
+    let second = post(&c, &proxy.url("/mail/send"), &[("idempotency-key", "k-durable-2")], r#"{"n":2}"#).await;
+    assert_eq!(second.status, StatusCode::CREATED);
+    proxy.kill();
+
+    let proxy = ProxyProc::start(dir.path(), &yaml);
+    for (k, body, want) in [("k-durable", r#"{"n":1}"#, &first.body), ("k-durable-2", r#"{"n":2}"#, &second.body)] {
+        let r = post(&c, &proxy.url("/mail/send"), &[("idempotency-key", k)], body).await;
+        assert_eq!(r.header("idempotent-replayed"), Some("true"), "{k} replayed after SIGKILL");
+        assert_eq!(&r.body, want);
+    }
+    assert_eq!(ds.commits(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigkill_while_downstream_works_never_sends_twice() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ds = FakeDownstream::start().await;
+    ds.set_delay(Duration::from_millis(800));
+    let yaml = config(dir.path(), &ds.url());
+    let proxy = ProxyProc::start(dir.path(), &yaml);
+    let c = client();
+    let url = proxy.url("/mail/send");
+    let inflight = tokio::spawn({
+        let (c, url) = (c.clone(), url.clone());
+        async move {
+            let req = http::Request::post(url)
+                .header("idempotency-key", "k-crash")
+                .header("content-type", "application/json")
+                .body(http_body_util::Full::new(bytes::Bytes::from_static(b"{}")))
+                .expect("request");
+            c.request(req).await.map(|r| r.status())
+        }
+    });
+    // Wait until the downstream has the request, then crash the proxy.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while ds.hits_on("/send") == 0 {
+        assert!(std::time::Instant::now() < deadline, "request never reached the downstream");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    proxy.kill();
+    assert!(inflight.await.expect("task").is_err(), "the client lost its connection");
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert_eq!(ds.commits(), 1, "the downstream finished the first attempt");
+
+    let proxy = ProxyProc::start(dir.path(), &yaml);
+    for _ in 0..3 {
+        let r = post(&c, &proxy.url("/mail/send"), &[("idempotency-key", "k-crash")], "{}").await;
+        assert_eq!(r.status, StatusCode::CONFLICT, "{r:?}");
+        assert_eq!(r.problem_type(), "urn:idemproxy:problem:outcome-unknown");
+    }
+    assert_eq!(ds.hits_on("/send"), 1, "never sent a second time");
+    proxy.terminate();
+    let rows = records(&dir.path().join("idemproxy.yaml"));
+    assert!(rows.iter().any(|r| r.contains("outcome_unknown")), "{rows:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn unknown_paths_get_problems() {
+    let (_dir, _ds, proxy) = setup().await;
+    let c = client();
+    let r = send(&c, Method::GET, &proxy.url("/nowhere"), &[], "").await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    assert_eq!(r.problem_type(), "urn:idemproxy:problem:no-route");
+}
