@@ -516,3 +516,649 @@ pub(super) fn db_error(context: &str, e: &tokio_postgres::Error) -> StoreError {
     }
     StoreError::Backend(text)
 }
+
+/// These run against a real PostgreSQL server named by `IDEMPROXY_TEST_POSTGRES_URL`; each
+/// test works in its own freshly created schema and drops it afterwards.
+#[cfg(test)]
+mod tests {
+    use std::future::Future;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::policy::identity::{ArgsHash, TenantScope};
+    use crate::policy::state::Event;
+    use crate::store::NewRecord;
+
+    const URL_VAR: &str = "IDEMPROXY_TEST_POSTGRES_URL";
+    const NOW: i64 = 1_000_000;
+
+    fn url() -> String {
+        match std::env::var(URL_VAR) {
+            Ok(url) if !url.is_empty() => url,
+            _ => panic!(
+                "{URL_VAR} is not set: the PostgreSQL store tests need a real server \
+                 (e.g. {URL_VAR}=postgres://postgres@127.0.0.1:5432/test); they never skip"
+            ),
+        }
+    }
+
+    fn unique_schema() -> String {
+        use std::hash::{BuildHasher, Hasher};
+        static COUNTER: AtomicU64 = AtomicU64::new(0);
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+        h.write_u32(std::process::id());
+        h.write_i64(crate::store::now_ms());
+        format!("idemproxy_test_{:016x}", h.finish())
+    }
+
+    async fn raw_client(url: &str) -> tokio_postgres::Client {
+        let (client, conn) = tokio_postgres::connect(url, NoTls)
+            .await
+            .expect("test database reachable");
+        tokio::spawn(conn);
+        client
+    }
+
+    /// Runs `body(url, schema)` on a fresh schema and drops the schema afterwards, also
+    /// when the body panics (the panic is re-raised after cleanup).
+    async fn with_schema<F, Fut>(body: F)
+    where
+        F: FnOnce(String, String) -> Fut,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        let url = url();
+        let schema = unique_schema();
+        let outcome = tokio::spawn(body(url.clone(), schema.clone())).await;
+        raw_client(&url)
+            .await
+            .batch_execute(&format!(
+                "DROP SCHEMA IF EXISTS {} CASCADE",
+                schema::quote(&schema)
+            ))
+            .await
+            .expect("drop the test schema");
+        if let Err(e) = outcome {
+            match e.try_into_panic() {
+                Ok(panic) => std::panic::resume_unwind(panic),
+                Err(e) => panic!("test body did not finish: {e}"),
+            }
+        }
+    }
+
+    async fn store(url: &str, schema: &str) -> PostgresStore {
+        PostgresStore::connect(url, schema)
+            .await
+            .expect("connect and migrate")
+    }
+
+    fn record(id: &str, operation: &str, expires_at_ms: i64) -> Record {
+        Record::new(NewRecord {
+            id: ExecutionId(id.into()),
+            tenant: TenantScope("tenant".into()),
+            upstream: "mail".into(),
+            route: "send_email".into(),
+            tool_version: "v1".into(),
+            operation_id: Some(operation.into()),
+            args_hash: ArgsHash("ab".into()),
+            method: "POST".into(),
+            path: "/send".into(),
+            query: None,
+            path_params: vec![],
+            preview: None,
+            now_ms: NOW,
+            expires_at_ms,
+        })
+    }
+
+    fn start(mut r: Record, owner: &str, lease_until: i64) -> Record {
+        r.apply(Event::Start, NOW, None)
+            .expect("start is legal here");
+        r.lease = Some(Lease {
+            owner: owner.into(),
+            expires_at_ms: lease_until,
+        });
+        r
+    }
+
+    fn claimed(c: Claim) -> Record {
+        match c {
+            Claim::Claimed(r) => r,
+            Claim::Existing(r) => panic!("expected a fresh claim, found {} existing", r.id),
+        }
+    }
+
+    fn id(s: &str) -> ExecutionId {
+        ExecutionId(s.into())
+    }
+
+    #[tokio::test]
+    async fn claim_get_update_and_cas_conflict() {
+        with_schema(|url, schema| async move {
+            let s = store(&url, &schema).await;
+            let first = claimed(
+                s.claim(record("ex_1", "op_1", NOW + 100))
+                    .await
+                    .expect("claim"),
+            );
+            assert_eq!(first.version, 1, "a claimed record is stored at version 1");
+
+            let again = s
+                .claim(record("ex_1", "op_1", NOW + 100))
+                .await
+                .expect("claim");
+            match again {
+                Claim::Existing(r) => assert_eq!(r, first),
+                Claim::Claimed(_) => panic!("second claim of one id must not succeed"),
+            }
+            assert_eq!(s.get(&id("ex_1")).await.expect("get"), Some(first.clone()));
+            assert_eq!(s.get(&id("ex_none")).await.expect("get"), None);
+
+            let running = s
+                .update(start(first.clone(), "a", NOW + 50))
+                .await
+                .expect("CAS on the current version");
+            assert_eq!(running.version, 2);
+            assert_eq!(
+                s.get(&id("ex_1")).await.expect("get"),
+                Some(running.clone())
+            );
+
+            // A writer still holding version 1 is refused and writes nothing.
+            let mut stale = first.clone();
+            stale.note = Some("late".into());
+            match s.update(stale).await {
+                Err(StoreError::Conflict {
+                    id: cid,
+                    expected,
+                    found,
+                }) => {
+                    assert_eq!((cid.0.as_str(), expected, found), ("ex_1", 1, 2));
+                }
+                other => panic!("expected Conflict, got {other:?}"),
+            }
+            assert_eq!(
+                s.get(&id("ex_1")).await.expect("get"),
+                Some(running.clone())
+            );
+
+            let mut ghost = record("ex_ghost", "op_1", NOW);
+            ghost.version = 1;
+            assert!(matches!(
+                s.update(ghost).await,
+                Err(StoreError::NotFound(g)) if g.0 == "ex_ghost"
+            ));
+
+            // The filter columns follow the record on every write.
+            let row = raw_client(&url)
+                .await
+                .query_one(
+                    &format!(
+                        "SELECT version, state, operation_id, lease_owner, lease_expires_at_ms, \
+                         expires_at_ms, created_at_ms FROM {}.records WHERE id = 'ex_1'",
+                        schema::quote(&schema)
+                    ),
+                    &[],
+                )
+                .await
+                .expect("row");
+            let cols: (
+                i64,
+                String,
+                Option<String>,
+                Option<String>,
+                Option<i64>,
+                i64,
+                i64,
+            ) = (
+                row.get(0),
+                row.get(1),
+                row.get(2),
+                row.get(3),
+                row.get(4),
+                row.get(5),
+                row.get(6),
+            );
+            assert_eq!(
+                cols,
+                (
+                    2,
+                    "executing".into(),
+                    Some("op_1".into()),
+                    Some("a".into()),
+                    Some(NOW + 50),
+                    NOW + 100,
+                    NOW
+                )
+            );
+        })
+        .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_claims_across_three_instances_execute_once() {
+        with_schema(|url, schema| async move {
+            // Migrate first so the three "proxies" start on an existing schema; the
+            // concurrent-migration case has its own test.
+            drop(store(&url, &schema).await);
+            let mut instances = Vec::new();
+            for _ in 0..3 {
+                instances.push(Arc::new(store(&url, &schema).await));
+            }
+            let mut tasks = Vec::new();
+            for i in 0..50 {
+                let s = Arc::clone(&instances[i % 3]);
+                let owner = format!("instance_{}", i % 3);
+                tasks.push(tokio::spawn(async move {
+                    let r = start(record("ex_dup", "op_1", NOW + 100), &owner, NOW + 50);
+                    s.claim(r).await.expect("claim")
+                }));
+            }
+            let mut winners = Vec::new();
+            let mut existing = Vec::new();
+            for t in tasks {
+                match t.await.expect("claim task") {
+                    Claim::Claimed(r) => winners.push(r),
+                    Claim::Existing(r) => existing.push(r),
+                }
+            }
+            assert_eq!(winners.len(), 1, "exactly one claim wins");
+            assert_eq!(existing.len(), 49);
+            let winner = &winners[0];
+            assert!(
+                existing.iter().all(|r| r == winner),
+                "every loser sees the winner's record"
+            );
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn late_commit_after_lease_takeover_is_fenced() {
+        with_schema(|url, schema| async move {
+            let a = store(&url, &schema).await;
+            let b = store(&url, &schema).await;
+            let mine = claimed(
+                a.claim(start(record("ex_f", "op_1", NOW + 1000), "a", NOW + 10))
+                    .await
+                    .expect("claim"),
+            );
+
+            // A pauses; its lease runs out; B, the sweeper, takes the decision.
+            let stale = b.stale_executing(NOW + 11, 10).await.expect("stale");
+            assert_eq!(stale.len(), 1);
+            let mut taken = stale[0].clone();
+            assert_eq!(taken.version, mine.version);
+            taken
+                .apply(Event::LoseOutcome, NOW + 11, Some("lease expired".into()))
+                .expect("executing -> outcome_unknown");
+            let decided = b.update(taken).await.expect("B's CAS wins");
+
+            // A resumes and tries to commit with the version it read before pausing.
+            let mut late = mine.clone();
+            late.apply(Event::Commit, NOW + 12, None)
+                .expect("executing -> committed in A's memory");
+            match a.update(late).await {
+                Err(StoreError::Conflict {
+                    expected, found, ..
+                }) => assert_eq!((expected, found), (mine.version, decided.version)),
+                other => panic!("A's late commit must be fenced, got {other:?}"),
+            }
+            // A's renewal can no longer resurrect the lease either.
+            assert_eq!(a.renew_leases("a", NOW + 100).await.expect("renew"), 0);
+            let now = a.get(&id("ex_f")).await.expect("get").expect("present");
+            assert_eq!(now.state(), State::OutcomeUnknown);
+            assert_eq!(now.lease, None);
+            assert_eq!(now, decided);
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn stale_executing_finds_expired_and_unleased_records() {
+        with_schema(|url, schema| async move {
+            let s = store(&url, &schema).await;
+            let far = NOW + 10_000;
+            s.claim(start(record("ex_expired", "op", far), "a", NOW - 1))
+                .await
+                .expect("claim");
+            s.claim(start(record("ex_live", "op", far), "a", NOW + 500))
+                .await
+                .expect("claim");
+            let mut unleased = start(record("ex_unleased", "op", far), "a", 0);
+            unleased.lease = None;
+            s.claim(unleased).await.expect("claim");
+            s.claim(record("ex_prepared", "op", far))
+                .await
+                .expect("claim");
+
+            let ids = |v: Vec<Record>| v.into_iter().map(|r| r.id.0).collect::<Vec<_>>();
+            assert_eq!(
+                ids(s.stale_executing(NOW, 10).await.expect("stale")),
+                ["ex_unleased", "ex_expired"],
+                "no lease first, then oldest lease"
+            );
+            assert_eq!(
+                ids(s.stale_executing(NOW, 1).await.expect("stale")),
+                ["ex_unleased"]
+            );
+            let mut all = ids(s.stale_executing(i64::MAX, 10).await.expect("stale"));
+            all.sort();
+            assert_eq!(all, ["ex_expired", "ex_live", "ex_unleased"]);
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn renew_leases_extends_only_the_owners_executing_records() {
+        with_schema(|url, schema| async move {
+            let s = store(&url, &schema).await;
+            let far = NOW + 10_000;
+            let a1 = claimed(
+                s.claim(start(record("ex_a1", "op", far), "a", NOW + 5))
+                    .await
+                    .expect("claim"),
+            );
+            s.claim(start(record("ex_a2", "op", far), "a", NOW + 5))
+                .await
+                .expect("claim");
+            s.claim(start(record("ex_b1", "op", far), "b", NOW + 5))
+                .await
+                .expect("claim");
+
+            assert_eq!(s.renew_leases("a", NOW + 100).await.expect("renew"), 2);
+            assert_eq!(s.renew_leases("nobody", NOW + 100).await.expect("renew"), 0);
+            let stale = s.stale_executing(NOW + 50, 10).await.expect("stale");
+            assert_eq!(
+                stale.iter().map(|r| r.id.0.as_str()).collect::<Vec<_>>(),
+                ["ex_b1"]
+            );
+            // A renewal never moves a lease backwards.
+            assert_eq!(s.renew_leases("a", NOW + 20).await.expect("renew"), 2);
+
+            let renewed = s.get(&id("ex_a1")).await.expect("get").expect("present");
+            assert_eq!(renewed.version, a1.version, "renewal is not a decision");
+            assert_eq!(
+                renewed.lease.as_ref().map(|l| l.expires_at_ms),
+                Some(NOW + 100)
+            );
+
+            // The owner's copy predates the renewal; writing it keeps the later lease.
+            let mut own = a1.clone();
+            own.external_id = Some("msg_1".into());
+            let written = s.update(own).await.expect("owner's CAS still matches");
+            assert_eq!(
+                written.lease.as_ref().map(|l| l.expires_at_ms),
+                Some(NOW + 100)
+            );
+            assert_eq!(
+                s.get(&id("ex_a1")).await.expect("get"),
+                Some(written.clone())
+            );
+
+            // Once committed the record has no lease and is not renewed.
+            let mut done = written;
+            done.apply(Event::Commit, NOW + 30, None)
+                .expect("executing -> committed");
+            let done = s.update(done).await.expect("commit");
+            assert_eq!(done.lease, None);
+            assert_eq!(s.renew_leases("a", NOW + 200).await.expect("renew"), 1);
+        })
+        .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn gc_from_two_instances_deletes_each_expired_row_once() {
+        with_schema(|url, schema| async move {
+            let a = Arc::new(store(&url, &schema).await);
+            let b = Arc::new(store(&url, &schema).await);
+            let expired = 60;
+            for i in 0..expired {
+                let mut r = record(&format!("ex_old_{i:03}"), "op", NOW - 1 - i as i64);
+                if i % 3 == 0 {
+                    r.apply(Event::Cancel, NOW - 5, None).expect("cancel");
+                }
+                a.claim(r).await.expect("claim");
+            }
+            for i in 0..5 {
+                a.claim(start(
+                    record(&format!("ex_run_{i}"), "op", NOW - 100),
+                    "a",
+                    NOW - 1,
+                ))
+                .await
+                .expect("claim");
+            }
+            for i in 0..10 {
+                a.claim(record(&format!("ex_keep_{i}"), "op", NOW + 1))
+                    .await
+                    .expect("claim");
+            }
+
+            let sweep = |s: Arc<PostgresStore>| async move {
+                let mut total = 0;
+                loop {
+                    let n = s.gc(NOW, 7).await.expect("gc");
+                    if n == 0 {
+                        return total;
+                    }
+                    total += n;
+                }
+            };
+            let (da, db) = tokio::join!(
+                tokio::spawn(sweep(Arc::clone(&a))),
+                tokio::spawn(sweep(Arc::clone(&b)))
+            );
+            let (da, db) = (da.expect("sweeper a"), db.expect("sweeper b"));
+            // A sweeper may stop early on rows the other has locked; a final pass finds
+            // nothing left either way.
+            let rest = a.gc(NOW, 1000).await.expect("gc");
+            assert_eq!(
+                da + db + rest,
+                expired,
+                "each expired row deleted exactly once"
+            );
+            assert_eq!(rest, 0);
+
+            let left = a
+                .list(&ListFilter {
+                    limit: 1000,
+                    ..ListFilter::default()
+                })
+                .await
+                .expect("list");
+            let mut names: Vec<_> = left.iter().map(|r| r.id.0.clone()).collect();
+            names.sort();
+            let mut want: Vec<String> = (0..5)
+                .map(|i| format!("ex_run_{i}"))
+                .chain((0..10).map(|i| format!("ex_keep_{i}")))
+                .collect();
+            want.sort();
+            assert_eq!(names, want, "executing and retained records survive");
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn list_pages_in_id_order_with_filters() {
+        with_schema(|url, schema| async move {
+            let s = store(&url, &schema).await;
+            for i in 0..25 {
+                let op = if i % 2 == 0 { "op_even" } else { "op_odd" };
+                let mut r = record(&format!("ex_{i:02}"), op, NOW + 100);
+                if i % 5 == 0 {
+                    r.apply(Event::Cancel, NOW, None).expect("cancel");
+                }
+                s.claim(r).await.expect("claim");
+            }
+            let page = |after: Option<&str>, limit: usize| ListFilter {
+                after: after.map(id),
+                limit,
+                ..ListFilter::default()
+            };
+
+            let mut seen = Vec::new();
+            let mut after: Option<String> = None;
+            loop {
+                let got = s.list(&page(after.as_deref(), 10)).await.expect("list");
+                if got.is_empty() {
+                    break;
+                }
+                assert!(got.len() <= 10);
+                after = got.last().map(|r| r.id.0.clone());
+                seen.extend(got.into_iter().map(|r| r.id.0));
+            }
+            let all: Vec<String> = (0..25).map(|i| format!("ex_{i:02}")).collect();
+            assert_eq!(seen, all, "pages cover every record once, in id order");
+
+            let ids = |v: Vec<Record>| v.into_iter().map(|r| r.id.0).collect::<Vec<_>>();
+            let cancelled = ListFilter {
+                status: Some(State::CancelledBeforeCommit),
+                limit: 100,
+                ..ListFilter::default()
+            };
+            assert_eq!(
+                ids(s.list(&cancelled).await.expect("list")),
+                ["ex_00", "ex_05", "ex_10", "ex_15", "ex_20"]
+            );
+            let odd_cancelled = ListFilter {
+                operation: Some("op_odd".into()),
+                after: Some(id("ex_05")),
+                ..cancelled.clone()
+            };
+            assert_eq!(ids(s.list(&odd_cancelled).await.expect("list")), ["ex_15"]);
+            let odd = ListFilter {
+                operation: Some("op_odd".into()),
+                limit: 3,
+                ..ListFilter::default()
+            };
+            assert_eq!(
+                ids(s.list(&odd).await.expect("list")),
+                ["ex_01", "ex_03", "ex_05"]
+            );
+            assert!(s.list(&page(None, 0)).await.expect("list").is_empty());
+        })
+        .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_starts_migrate_once() {
+        with_schema(|url, schema| async move {
+            let starts: Vec<_> = (0..4)
+                .map(|_| {
+                    let (url, schema) = (url.clone(), schema.clone());
+                    tokio::spawn(async move { PostgresStore::connect(&url, &schema).await })
+                })
+                .collect();
+            for s in starts {
+                s.await.expect("connect task").expect("concurrent connect");
+            }
+            store(&url, &schema).await; // and again, on an up-to-date schema
+
+            let client = raw_client(&url).await;
+            let q = schema::quote(&schema);
+            let versions: Vec<i32> = client
+                .query(
+                    &format!("SELECT version FROM {q}.schema_migrations ORDER BY version"),
+                    &[],
+                )
+                .await
+                .expect("migrations")
+                .iter()
+                .map(|r| r.get(0))
+                .collect();
+            let want: Vec<i32> = (1..=schema::latest_version()).collect();
+            assert_eq!(versions, want, "each migration applied exactly once");
+
+            // A schema from a newer build is refused rather than written to.
+            client
+                .batch_execute(&format!(
+                    "INSERT INTO {q}.schema_migrations (version) VALUES (9999)"
+                ))
+                .await
+                .expect("fake a newer schema");
+            match PostgresStore::connect(&url, &schema).await {
+                Err(StoreError::Backend(msg)) => assert!(msg.contains("newer"), "{msg}"),
+                Err(other) => panic!("unexpected error {other}"),
+                Ok(_) => panic!("a newer schema must be refused"),
+            }
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn pooled_connections_commit_synchronously() {
+        with_schema(|url, schema| async move {
+            let s = store(&url, &schema).await;
+            let client = s.client("test").await.expect("pooled connection");
+            let row = client
+                .query_one(
+                    "SELECT current_setting('synchronous_commit'), \
+                     current_setting('application_name')",
+                    &[],
+                )
+                .await
+                .expect("settings");
+            let (sync, app): (String, String) = (row.get(0), row.get(1));
+            assert_eq!((sync.as_str(), app.as_str()), ("on", "idemproxy"));
+
+            // Options in the URL are kept, but cannot switch durability off.
+            let sep = if url.contains('?') { '&' } else { '?' };
+            let weakened = format!("{url}{sep}options=-c%20synchronous_commit%3Doff");
+            let s = store(&weakened, &schema).await;
+            let client = s.client("test").await.expect("pooled connection");
+            let sync: String = client
+                .query_one("SELECT current_setting('synchronous_commit')", &[])
+                .await
+                .expect("setting")
+                .get(0);
+            assert_eq!(sync, "on");
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn unreadable_rows_are_reported_not_panicked_on() {
+        with_schema(|url, schema| async move {
+            let s = store(&url, &schema).await;
+            s.claim(record("ex_bad", "op", NOW + 100))
+                .await
+                .expect("claim");
+            raw_client(&url)
+                .await
+                .batch_execute(&format!(
+                    "UPDATE {}.records SET body = '\\x00ff'::bytea WHERE id = 'ex_bad'",
+                    schema::quote(&schema)
+                ))
+                .await
+                .expect("corrupt the row");
+            match s.get(&id("ex_bad")).await {
+                Err(StoreError::Corrupt { id, .. }) => assert_eq!(id, "ex_bad"),
+                other => panic!("expected Corrupt, got {other:?}"),
+            }
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn connect_refuses_a_bad_schema_name_before_touching_the_network() {
+        // Port 1 is never a PostgreSQL server: success here would mean no validation.
+        let err = PostgresStore::connect("postgres://nobody@127.0.0.1:1/x", "drop table;")
+            .await
+            .err()
+            .expect("refused");
+        assert!(err.to_string().contains("invalid schema name"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn errors_do_not_echo_the_connection_url() {
+        let err = PostgresStore::connect("postgres://u:s3cret@127.0.0.1:1/x", "idemproxy")
+            .await
+            .err()
+            .expect("nothing listens on port 1");
+        let text = err.to_string();
+        assert!(matches!(err, StoreError::Backend(_)), "{text}");
+        assert!(!text.contains("s3cret"), "{text}");
+    }
+}
