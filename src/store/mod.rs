@@ -3,6 +3,7 @@
 //! guarantees: `claim` is one atomic step, every `update` is a compare-and-set on the
 //! record's `version` (the fencing token), and a returned `Ok` means the write is durable.
 
+pub mod postgres;
 pub mod record;
 pub mod redb;
 

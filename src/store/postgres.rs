@@ -1,0 +1,1164 @@
+//! PostgreSQL store (`store.backend: postgres`): the same [`Store`] contract as redb, shared
+//! by any number of proxy instances. Each row holds the record's [`Record::to_bytes`] plus
+//! the few columns the queries filter on, written together in every statement.
+//!
+//! # Design
+//!
+//! **Client and pool.** `tokio-postgres` with `deadpool-postgres`. Every store operation is
+//! one or two fixed statements, so a plain async client with a per-connection prepared
+//! statement cache (`prepare_cached`) is all we need; `sqlx` would add a macro and
+//! offline-metadata layer and a second runtime abstraction for no gain here. deadpool is
+//! the pool built for tokio-postgres: small, no background threads, and wait/create
+//! timeouts so a database outage turns into a prompt [`StoreError::Backend`] instead of a
+//! hung request. Connections use `NoTls` for now (a database on loopback or a private
+//! network); TLS to the database is a later addition in [`PostgresStore::connect`].
+//! Every connection runs with `synchronous_commit=on`, so a returned `Ok` means the
+//! commit is flushed to the WAL whatever the server default is.
+//!
+//! **Claim.** `INSERT ... ON CONFLICT (id) DO NOTHING`: one atomic statement. Among any
+//! number of concurrent claims of one id, on any number of instances, exactly one inserts
+//! a row; the others wait for its commit, insert nothing and then read the winner's row.
+//! A claimed record is stored at version 1.
+//!
+//! **Fencing.** The `version` column is the fencing token. Every update is
+//! `UPDATE ... SET version = $2 + 1 ... WHERE id = $1 AND version = $2`, so a write based on
+//! an old read changes nothing and comes back as [`StoreError::Conflict`]. When instance A
+//! pauses past its lease, B sees the record in [`Store::stale_executing`] and moves it to
+//! `outcome_unknown` with the version it read; A's late commit still carries the older
+//! version and is refused. `renew_leases` deliberately does not bump the version (the
+//! owner's own later commit must still match), so the `lease_expires_at_ms` column, not
+//! the copy inside `body`, is authoritative for the lease: reads overlay it on the record,
+//! and an owner's update of a still-executing record never moves its lease backwards.
+//! Lease expiry is compared with the caller's wall clock (`now_ms`), so instances need
+//! roughly synchronised clocks; skew only shifts *when* a lease counts as expired, never
+//! lets two writers commit, because the CAS decides.
+//!
+//! **Retention sweep.** `DELETE ... WHERE id IN (SELECT id ... FOR UPDATE SKIP LOCKED LIMIT n)`:
+//! concurrent sweepers lock disjoint batches, so no row is deleted twice and none is
+//! skipped for good (a row locked by another sweeper is either deleted by it or seen by
+//! the next pass). `executing` rows are excluded in the inner and the outer condition.
+//!
+//! **Errors.** A failed statement does not poison the store (unlike redb's sticky I/O
+//! error: PostgreSQL rolls the statement back, so the next call may succeed). A commit
+//! whose acknowledgement is lost surfaces as an error even if it took effect; callers
+//! fail closed on errors, and the lease/`outcome_unknown` path covers that case. Error
+//! text carries the operation, SQLSTATE and server message, never a DETAIL line (which
+//! can quote row values) and never the connection URL.
+
+mod schema;
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use tokio_postgres::{NoTls, Row};
+
+use super::{Claim, Lease, ListFilter, Record, Store, StoreError, StoreResult};
+use crate::policy::identity::ExecutionId;
+use crate::policy::state::State;
+
+/// The schema used when the configuration does not name one.
+pub const DEFAULT_SCHEMA: &str = "idemproxy";
+
+/// Connections per instance. Each request needs a connection only for the duration of
+/// one statement, so a small pool serves many concurrent requests.
+const POOL_SIZE: usize = 16;
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a request waits for a free connection before failing with `Backend`.
+const POOL_WAIT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Bounded retries of claim's insert-then-read when the row vanishes in between (gc).
+const CLAIM_ATTEMPTS: usize = 3;
+
+/// The columns every read selects, in the order [`decode_row`] expects.
+const COLUMNS: &str = "id, version, lease_owner, lease_expires_at_ms, body";
+
+/// Records in PostgreSQL, one row per execution. Cheap to share: clone the `Arc` it sits
+/// in; the pool is internally synchronised.
+pub struct PostgresStore {
+    pool: Pool,
+    sql: Sql,
+}
+
+/// Statement texts, qualified with the store's schema once at connect time.
+struct Sql {
+    table: String,
+    claim: String,
+    get: String,
+    version_of: String,
+    update: String,
+    stale: String,
+    stale_all: String,
+    renew: String,
+    gc: String,
+}
+
+impl Sql {
+    fn new(schema: &str) -> Sql {
+        let table = format!("{}.records", schema::quote(schema));
+        Sql {
+            claim: format!(
+                "INSERT INTO {table} (id, version, state, operation_id, lease_owner, \
+                 lease_expires_at_ms, expires_at_ms, created_at_ms, body) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) \
+                 ON CONFLICT (id) DO NOTHING"
+            ),
+            get: format!("SELECT {COLUMNS} FROM {table} WHERE id = $1"),
+            version_of: format!("SELECT version FROM {table} WHERE id = $1"),
+            // The lease only ever moves forward while the same owner keeps executing: the
+            // caller's copy may predate a renewal (see the module docs).
+            update: format!(
+                "UPDATE {table} SET version = $3, state = $4::text, operation_id = $5, \
+                 lease_owner = $6::text, \
+                 lease_expires_at_ms = CASE \
+                     WHEN state = 'executing' AND $4::text = 'executing' \
+                         AND lease_owner = $6::text \
+                     THEN GREATEST(lease_expires_at_ms, $7::bigint) ELSE $7::bigint END, \
+                 expires_at_ms = $8, created_at_ms = $9, body = $10 \
+                 WHERE id = $1 AND version = $2 \
+                 RETURNING lease_expires_at_ms"
+            ),
+            stale: format!(
+                "SELECT {COLUMNS} FROM {table} WHERE state = 'executing' \
+                 AND (lease_expires_at_ms IS NULL OR lease_expires_at_ms < $1) \
+                 ORDER BY lease_expires_at_ms NULLS FIRST, id LIMIT $2"
+            ),
+            stale_all: format!(
+                "SELECT {COLUMNS} FROM {table} WHERE state = 'executing' \
+                 ORDER BY lease_expires_at_ms NULLS FIRST, id LIMIT $1"
+            ),
+            renew: format!(
+                "UPDATE {table} \
+                 SET lease_expires_at_ms = GREATEST(COALESCE(lease_expires_at_ms, $2), $2) \
+                 WHERE state = 'executing' AND lease_owner = $1"
+            ),
+            // The outer condition repeats the inner one so that the delete itself, not
+            // only the candidate scan, can never remove an executing or retained row.
+            gc: format!(
+                "DELETE FROM {table} WHERE id IN ( \
+                     SELECT id FROM {table} \
+                     WHERE expires_at_ms < $1 AND state <> 'executing' \
+                     ORDER BY expires_at_ms LIMIT $2 \
+                     FOR UPDATE SKIP LOCKED) \
+                 AND expires_at_ms < $1 AND state <> 'executing'"
+            ),
+            table,
+        }
+    }
+
+    /// `list` has four optional conditions; each combination is its own statement text
+    /// (cached per connection) so the planner can use the matching index.
+    fn list(&self, filter: &ListFilter) -> String {
+        let mut conds = Vec::new();
+        let mut n = 0;
+        let mut param = || {
+            n += 1;
+            format!("${n}")
+        };
+        if filter.status.is_some() {
+            conds.push(format!("state = {}", param()));
+        }
+        if filter.operation.is_some() {
+            conds.push(format!("operation_id = {}", param()));
+        }
+        if filter.after.is_some() {
+            conds.push(format!("id > {}", param()));
+        }
+        let limit = param();
+        let where_ = if conds.is_empty() {
+            String::new()
+        } else {
+            format!(" WHERE {}", conds.join(" AND "))
+        };
+        format!(
+            "SELECT {COLUMNS} FROM {}{where_} ORDER BY id LIMIT {limit}",
+            self.table
+        )
+    }
+}
+
+impl PostgresStore {
+    /// Connect to `url` (a libpq-style URL or key=value string, usually read from the
+    /// environment variable named by `store.url_env`), create `schema` if missing and
+    /// migrate it to the current version. Fails if the database is unreachable, the
+    /// schema name is not a plain identifier, or the schema is newer than this build.
+    pub async fn connect(url: &str, schema: &str) -> StoreResult<PostgresStore> {
+        schema::validate_schema_name(schema)?;
+        // Never echo the URL: it may carry a password.
+        let mut config: tokio_postgres::Config = url
+            .parse()
+            .map_err(|e| db_error("parse the postgres URL", &e))?;
+        let options = match config.get_options() {
+            Some(o) if !o.is_empty() => format!("{o} -c synchronous_commit=on"),
+            _ => "-c synchronous_commit=on".to_string(),
+        };
+        config.options(options);
+        if config.get_application_name().is_none() {
+            config.application_name("idemproxy");
+        }
+        if config.get_connect_timeout().is_none() {
+            config.connect_timeout(CONNECT_TIMEOUT);
+        }
+        let manager = Manager::from_config(
+            config,
+            NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(manager)
+            .max_size(POOL_SIZE)
+            .wait_timeout(Some(POOL_WAIT_TIMEOUT))
+            .create_timeout(Some(CONNECT_TIMEOUT))
+            .runtime(Runtime::Tokio1)
+            .build()
+            .map_err(|e| StoreError::Backend(format!("postgres pool: {e}")))?;
+        let store = PostgresStore {
+            pool,
+            sql: Sql::new(schema),
+        };
+        let mut client = store.client("connect").await?;
+        schema::migrate(&mut client, schema).await?;
+        Ok(store)
+    }
+
+    async fn client(&self, context: &str) -> StoreResult<deadpool_postgres::Client> {
+        self.pool.get().await.map_err(|e| match e {
+            deadpool_postgres::PoolError::Backend(e) => db_error(context, &e),
+            other => StoreError::Backend(format!("postgres {context}: {other}")),
+        })
+    }
+
+    async fn fetch(&self, id: &ExecutionId) -> StoreResult<Option<Record>> {
+        let client = self.client("get").await?;
+        let stmt = client
+            .prepare_cached(&self.sql.get)
+            .await
+            .map_err(|e| db_error("get", &e))?;
+        let row = client
+            .query_opt(&stmt, &[&id.0])
+            .await
+            .map_err(|e| db_error("get", &e))?;
+        row.as_ref().map(decode_row).transpose()
+    }
+
+    async fn query_records(
+        &self,
+        context: &str,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> StoreResult<Vec<Record>> {
+        let client = self.client(context).await?;
+        let stmt = client
+            .prepare_cached(sql)
+            .await
+            .map_err(|e| db_error(context, &e))?;
+        let rows = client
+            .query(&stmt, params)
+            .await
+            .map_err(|e| db_error(context, &e))?;
+        rows.iter().map(decode_row).collect()
+    }
+}
+
+#[async_trait]
+impl Store for PostgresStore {
+    async fn claim(&self, mut record: Record) -> StoreResult<Claim> {
+        record.version = 1;
+        let cols = Columns::of(&record);
+        let body = record.to_bytes();
+        let version = db_version(record.version)?;
+        for _ in 0..CLAIM_ATTEMPTS {
+            let client = self.client("claim").await?;
+            let stmt = client
+                .prepare_cached(&self.sql.claim)
+                .await
+                .map_err(|e| db_error("claim", &e))?;
+            let inserted = client
+                .execute(
+                    &stmt,
+                    &[
+                        &record.id.0,
+                        &version,
+                        &cols.state,
+                        &cols.operation_id,
+                        &cols.lease_owner,
+                        &cols.lease_expires_at_ms,
+                        &cols.expires_at_ms,
+                        &cols.created_at_ms,
+                        &body,
+                    ],
+                )
+                .await
+                .map_err(|e| db_error("claim", &e))?;
+            drop(client);
+            if inserted == 1 {
+                return Ok(Claim::Claimed(record));
+            }
+            // Someone else holds the id. The winner's insert is committed (ON CONFLICT
+            // waited for it), so this fresh statement sees its row, unless gc removed it
+            // in between, in which case claiming again is correct.
+            if let Some(existing) = self.fetch(&record.id).await? {
+                return Ok(Claim::Existing(existing));
+            }
+        }
+        Err(StoreError::Backend(format!(
+            "postgres claim {}: the existing record kept disappearing",
+            record.id
+        )))
+    }
+
+    async fn get(&self, id: &ExecutionId) -> StoreResult<Option<Record>> {
+        self.fetch(id).await
+    }
+
+    async fn update(&self, mut record: Record) -> StoreResult<Record> {
+        let expected = record.version;
+        let next = expected
+            .checked_add(1)
+            .ok_or_else(|| StoreError::Backend(format!("record {} version overflow", record.id)))?;
+        record.version = next;
+        let cols = Columns::of(&record);
+        let body = record.to_bytes();
+        let (expected_db, next_db) = (db_version(expected)?, db_version(next)?);
+        let client = self.client("update").await?;
+        let stmt = client
+            .prepare_cached(&self.sql.update)
+            .await
+            .map_err(|e| db_error("update", &e))?;
+        let row = client
+            .query_opt(
+                &stmt,
+                &[
+                    &record.id.0,
+                    &expected_db,
+                    &next_db,
+                    &cols.state,
+                    &cols.operation_id,
+                    &cols.lease_owner,
+                    &cols.lease_expires_at_ms,
+                    &cols.expires_at_ms,
+                    &cols.created_at_ms,
+                    &body,
+                ],
+            )
+            .await
+            .map_err(|e| db_error("update", &e))?;
+        if let Some(row) = row {
+            let lease_expires: Option<i64> = row.try_get(0).map_err(|e| db_error("update", &e))?;
+            if let (Some(lease), Some(at)) = (record.lease.as_mut(), lease_expires) {
+                lease.expires_at_ms = at;
+            }
+            return Ok(record);
+        }
+        // Nothing matched: tell a stale version from a missing record. A fresh statement
+        // sees the write that beat us.
+        let stmt = client
+            .prepare_cached(&self.sql.version_of)
+            .await
+            .map_err(|e| db_error("update", &e))?;
+        let found = client
+            .query_opt(&stmt, &[&record.id.0])
+            .await
+            .map_err(|e| db_error("update", &e))?;
+        match found {
+            None => Err(StoreError::NotFound(record.id)),
+            Some(row) => {
+                let found: i64 = row.try_get(0).map_err(|e| db_error("update", &e))?;
+                Err(StoreError::Conflict {
+                    found: stored_version(&record.id.0, found)?,
+                    id: record.id,
+                    expected,
+                })
+            }
+        }
+    }
+
+    async fn list(&self, filter: &ListFilter) -> StoreResult<Vec<Record>> {
+        let sql = self.sql.list(filter);
+        let status = filter.status.map(State::as_str);
+        let after = filter.after.as_ref().map(|a| a.0.as_str());
+        let limit = db_limit(filter.limit);
+        let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = Vec::new();
+        if let Some(s) = &status {
+            params.push(s);
+        }
+        if let Some(o) = &filter.operation {
+            params.push(o);
+        }
+        if let Some(a) = &after {
+            params.push(a);
+        }
+        params.push(&limit);
+        self.query_records("list", &sql, &params).await
+    }
+
+    async fn stale_executing(&self, now_ms: i64, limit: usize) -> StoreResult<Vec<Record>> {
+        let limit = db_limit(limit);
+        if now_ms == i64::MAX {
+            self.query_records("stale_executing", &self.sql.stale_all, &[&limit])
+                .await
+        } else {
+            self.query_records("stale_executing", &self.sql.stale, &[&now_ms, &limit])
+                .await
+        }
+    }
+
+    async fn renew_leases(&self, owner: &str, until_ms: i64) -> StoreResult<u64> {
+        let client = self.client("renew_leases").await?;
+        let stmt = client
+            .prepare_cached(&self.sql.renew)
+            .await
+            .map_err(|e| db_error("renew_leases", &e))?;
+        client
+            .execute(&stmt, &[&owner, &until_ms])
+            .await
+            .map_err(|e| db_error("renew_leases", &e))
+    }
+
+    async fn gc(&self, now_ms: i64, limit: usize) -> StoreResult<u64> {
+        let limit = db_limit(limit);
+        let client = self.client("gc").await?;
+        let stmt = client
+            .prepare_cached(&self.sql.gc)
+            .await
+            .map_err(|e| db_error("gc", &e))?;
+        client
+            .execute(&stmt, &[&now_ms, &limit])
+            .await
+            .map_err(|e| db_error("gc", &e))
+    }
+}
+
+/// The denormalised columns, always derived from the record being written.
+struct Columns<'a> {
+    state: &'static str,
+    operation_id: Option<&'a str>,
+    lease_owner: Option<&'a str>,
+    lease_expires_at_ms: Option<i64>,
+    expires_at_ms: i64,
+    created_at_ms: i64,
+}
+
+impl<'a> Columns<'a> {
+    fn of(r: &'a Record) -> Columns<'a> {
+        Columns {
+            state: r.state().as_str(),
+            operation_id: r.operation_id.as_deref(),
+            lease_owner: r.lease.as_ref().map(|l| l.owner.as_str()),
+            lease_expires_at_ms: r.lease.as_ref().map(|l| l.expires_at_ms),
+            expires_at_ms: r.expires_at_ms,
+            created_at_ms: r.created_at_ms,
+        }
+    }
+}
+
+/// A row (selected as [`COLUMNS`]) as a record. The `version` and lease columns win over
+/// the copies inside `body`: they are what the CAS and the lease renewal write.
+fn decode_row(row: &Row) -> StoreResult<Record> {
+    let id: String = row.try_get(0).map_err(|e| db_error("read row", &e))?;
+    let corrupt = |reason: String| StoreError::Corrupt {
+        id: id.clone(),
+        reason,
+    };
+    let version: i64 = row.try_get(1).map_err(|e| corrupt(e.to_string()))?;
+    let owner: Option<String> = row.try_get(2).map_err(|e| corrupt(e.to_string()))?;
+    let lease_at: Option<i64> = row.try_get(3).map_err(|e| corrupt(e.to_string()))?;
+    let body: &[u8] = row.try_get(4).map_err(|e| corrupt(e.to_string()))?;
+    let mut record = Record::from_bytes(&id, body)?;
+    if record.id.0 != id {
+        return Err(corrupt(format!("body belongs to {}", record.id)));
+    }
+    record.version = stored_version(&id, version)?;
+    record.lease = match (owner, lease_at) {
+        (Some(owner), Some(expires_at_ms)) => Some(Lease {
+            owner,
+            expires_at_ms,
+        }),
+        (None, None) => None,
+        _ => return Err(corrupt("lease owner and expiry disagree".into())),
+    };
+    Ok(record)
+}
+
+fn db_version(v: u64) -> StoreResult<i64> {
+    i64::try_from(v).map_err(|_| StoreError::Backend(format!("version {v} exceeds bigint")))
+}
+
+fn stored_version(id: &str, v: i64) -> StoreResult<u64> {
+    u64::try_from(v).map_err(|_| StoreError::Corrupt {
+        id: id.to_string(),
+        reason: format!("negative version {v}"),
+    })
+}
+
+fn db_limit(limit: usize) -> i64 {
+    i64::try_from(limit).unwrap_or(i64::MAX)
+}
+
+/// A driver error as [`StoreError::Backend`]: operation, SQLSTATE and message only. The
+/// server's DETAIL can quote row contents (a failing row, a duplicate key), so it is left
+/// out, and so is anything that could echo the connection string.
+pub(super) fn db_error(context: &str, e: &tokio_postgres::Error) -> StoreError {
+    if let Some(db) = e.as_db_error() {
+        return StoreError::Backend(format!(
+            "postgres {context}: {} {}: {}",
+            db.severity(),
+            db.code().code(),
+            db.message()
+        ));
+    }
+    let mut text = format!("postgres {context}: {e}");
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    StoreError::Backend(text)
+}
+
+/// These run against a real PostgreSQL server named by `IDEMPROXY_TEST_POSTGRES_URL`; each
+/// test works in its own freshly created schema and drops it afterwards.
+#[cfg(test)]
+mod tests {
+    use std::future::Future;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::policy::identity::{ArgsHash, TenantScope};
+    use crate::policy::state::Event;
+    use crate::store::NewRecord;
+
+    const URL_VAR: &str = "IDEMPROXY_TEST_POSTGRES_URL";
+    const NOW: i64 = 1_000_000;
+
+    fn url() -> String {
+        match std::env::var(URL_VAR) {
+            Ok(url) if !url.is_empty() => url,
+            _ => panic!(
+                "{URL_VAR} is not set: the PostgreSQL store tests need a real server \
+                 (e.g. {URL_VAR}=postgres://postgres@127.0.0.1:5432/test); they never skip"
+            ),
+        }
+    }
+
+    fn unique_schema() -> String {
+        use std::hash::{BuildHasher, Hasher};
+        static COUNTER: AtomicU64 = AtomicU64::new(0);
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+        h.write_u32(std::process::id());
+        h.write_i64(crate::store::now_ms());
+        format!("idemproxy_test_{:016x}", h.finish())
+    }
+
+    async fn raw_client(url: &str) -> tokio_postgres::Client {
+        let (client, conn) = tokio_postgres::connect(url, NoTls)
+            .await
+            .expect("test database reachable");
+        tokio::spawn(conn);
+        client
+    }
+
+    /// Runs `body(url, schema)` on a fresh schema and drops the schema afterwards, also
+    /// when the body panics (the panic is re-raised after cleanup).
+    async fn with_schema<F, Fut>(body: F)
+    where
+        F: FnOnce(String, String) -> Fut,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        let url = url();
+        let schema = unique_schema();
+        let outcome = tokio::spawn(body(url.clone(), schema.clone())).await;
+        raw_client(&url)
+            .await
+            .batch_execute(&format!(
+                "DROP SCHEMA IF EXISTS {} CASCADE",
+                schema::quote(&schema)
+            ))
+            .await
+            .expect("drop the test schema");
+        if let Err(e) = outcome {
+            match e.try_into_panic() {
+                Ok(panic) => std::panic::resume_unwind(panic),
+                Err(e) => panic!("test body did not finish: {e}"),
+            }
+        }
+    }
+
+    async fn store(url: &str, schema: &str) -> PostgresStore {
+        PostgresStore::connect(url, schema)
+            .await
+            .expect("connect and migrate")
+    }
+
+    fn record(id: &str, operation: &str, expires_at_ms: i64) -> Record {
+        Record::new(NewRecord {
+            id: ExecutionId(id.into()),
+            tenant: TenantScope("tenant".into()),
+            upstream: "mail".into(),
+            route: "send_email".into(),
+            tool_version: "v1".into(),
+            operation_id: Some(operation.into()),
+            args_hash: ArgsHash("ab".into()),
+            method: "POST".into(),
+            path: "/send".into(),
+            query: None,
+            path_params: vec![],
+            preview: None,
+            now_ms: NOW,
+            expires_at_ms,
+        })
+    }
+
+    fn start(mut r: Record, owner: &str, lease_until: i64) -> Record {
+        r.apply(Event::Start, NOW, None)
+            .expect("start is legal here");
+        r.lease = Some(Lease {
+            owner: owner.into(),
+            expires_at_ms: lease_until,
+        });
+        r
+    }
+
+    fn claimed(c: Claim) -> Record {
+        match c {
+            Claim::Claimed(r) => r,
+            Claim::Existing(r) => panic!("expected a fresh claim, found {} existing", r.id),
+        }
+    }
+
+    fn id(s: &str) -> ExecutionId {
+        ExecutionId(s.into())
+    }
+
+    #[tokio::test]
+    async fn claim_get_update_and_cas_conflict() {
+        with_schema(|url, schema| async move {
+            let s = store(&url, &schema).await;
+            let first = claimed(
+                s.claim(record("ex_1", "op_1", NOW + 100))
+                    .await
+                    .expect("claim"),
+            );
+            assert_eq!(first.version, 1, "a claimed record is stored at version 1");
+
+            let again = s
+                .claim(record("ex_1", "op_1", NOW + 100))
+                .await
+                .expect("claim");
+            match again {
+                Claim::Existing(r) => assert_eq!(r, first),
+                Claim::Claimed(_) => panic!("second claim of one id must not succeed"),
+            }
+            assert_eq!(s.get(&id("ex_1")).await.expect("get"), Some(first.clone()));
+            assert_eq!(s.get(&id("ex_none")).await.expect("get"), None);
+
+            let running = s
+                .update(start(first.clone(), "a", NOW + 50))
+                .await
+                .expect("CAS on the current version");
+            assert_eq!(running.version, 2);
+            assert_eq!(
+                s.get(&id("ex_1")).await.expect("get"),
+                Some(running.clone())
+            );
+
+            // A writer still holding version 1 is refused and writes nothing.
+            let mut stale = first.clone();
+            stale.note = Some("late".into());
+            match s.update(stale).await {
+                Err(StoreError::Conflict {
+                    id: cid,
+                    expected,
+                    found,
+                }) => {
+                    assert_eq!((cid.0.as_str(), expected, found), ("ex_1", 1, 2));
+                }
+                other => panic!("expected Conflict, got {other:?}"),
+            }
+            assert_eq!(
+                s.get(&id("ex_1")).await.expect("get"),
+                Some(running.clone())
+            );
+
+            let mut ghost = record("ex_ghost", "op_1", NOW);
+            ghost.version = 1;
+            assert!(matches!(
+                s.update(ghost).await,
+                Err(StoreError::NotFound(g)) if g.0 == "ex_ghost"
+            ));
+
+            // The filter columns follow the record on every write.
+            let row = raw_client(&url)
+                .await
+                .query_one(
+                    &format!(
+                        "SELECT version, state, operation_id, lease_owner, lease_expires_at_ms, \
+                         expires_at_ms, created_at_ms FROM {}.records WHERE id = 'ex_1'",
+                        schema::quote(&schema)
+                    ),
+                    &[],
+                )
+                .await
+                .expect("row");
+            let cols: (
+                i64,
+                String,
+                Option<String>,
+                Option<String>,
+                Option<i64>,
+                i64,
+                i64,
+            ) = (
+                row.get(0),
+                row.get(1),
+                row.get(2),
+                row.get(3),
+                row.get(4),
+                row.get(5),
+                row.get(6),
+            );
+            assert_eq!(
+                cols,
+                (
+                    2,
+                    "executing".into(),
+                    Some("op_1".into()),
+                    Some("a".into()),
+                    Some(NOW + 50),
+                    NOW + 100,
+                    NOW
+                )
+            );
+        })
+        .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_claims_across_three_instances_execute_once() {
+        with_schema(|url, schema| async move {
+            // Migrate first so the three "proxies" start on an existing schema; the
+            // concurrent-migration case has its own test.
+            drop(store(&url, &schema).await);
+            let mut instances = Vec::new();
+            for _ in 0..3 {
+                instances.push(Arc::new(store(&url, &schema).await));
+            }
+            let mut tasks = Vec::new();
+            for i in 0..50 {
+                let s = Arc::clone(&instances[i % 3]);
+                let owner = format!("instance_{}", i % 3);
+                tasks.push(tokio::spawn(async move {
+                    let r = start(record("ex_dup", "op_1", NOW + 100), &owner, NOW + 50);
+                    s.claim(r).await.expect("claim")
+                }));
+            }
+            let mut winners = Vec::new();
+            let mut existing = Vec::new();
+            for t in tasks {
+                match t.await.expect("claim task") {
+                    Claim::Claimed(r) => winners.push(r),
+                    Claim::Existing(r) => existing.push(r),
+                }
+            }
+            assert_eq!(winners.len(), 1, "exactly one claim wins");
+            assert_eq!(existing.len(), 49);
+            let winner = &winners[0];
+            assert!(
+                existing.iter().all(|r| r == winner),
+                "every loser sees the winner's record"
+            );
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn late_commit_after_lease_takeover_is_fenced() {
+        with_schema(|url, schema| async move {
+            let a = store(&url, &schema).await;
+            let b = store(&url, &schema).await;
+            let mine = claimed(
+                a.claim(start(record("ex_f", "op_1", NOW + 1000), "a", NOW + 10))
+                    .await
+                    .expect("claim"),
+            );
+
+            // A pauses; its lease runs out; B, the sweeper, takes the decision.
+            let stale = b.stale_executing(NOW + 11, 10).await.expect("stale");
+            assert_eq!(stale.len(), 1);
+            let mut taken = stale[0].clone();
+            assert_eq!(taken.version, mine.version);
+            taken
+                .apply(Event::LoseOutcome, NOW + 11, Some("lease expired".into()))
+                .expect("executing -> outcome_unknown");
+            let decided = b.update(taken).await.expect("B's CAS wins");
+
+            // A resumes and tries to commit with the version it read before pausing.
+            let mut late = mine.clone();
+            late.apply(Event::Commit, NOW + 12, None)
+                .expect("executing -> committed in A's memory");
+            match a.update(late).await {
+                Err(StoreError::Conflict {
+                    expected, found, ..
+                }) => assert_eq!((expected, found), (mine.version, decided.version)),
+                other => panic!("A's late commit must be fenced, got {other:?}"),
+            }
+            // A's renewal can no longer resurrect the lease either.
+            assert_eq!(a.renew_leases("a", NOW + 100).await.expect("renew"), 0);
+            let now = a.get(&id("ex_f")).await.expect("get").expect("present");
+            assert_eq!(now.state(), State::OutcomeUnknown);
+            assert_eq!(now.lease, None);
+            assert_eq!(now, decided);
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn stale_executing_finds_expired_and_unleased_records() {
+        with_schema(|url, schema| async move {
+            let s = store(&url, &schema).await;
+            let far = NOW + 10_000;
+            s.claim(start(record("ex_expired", "op", far), "a", NOW - 1))
+                .await
+                .expect("claim");
+            s.claim(start(record("ex_live", "op", far), "a", NOW + 500))
+                .await
+                .expect("claim");
+            let mut unleased = start(record("ex_unleased", "op", far), "a", 0);
+            unleased.lease = None;
+            s.claim(unleased).await.expect("claim");
+            s.claim(record("ex_prepared", "op", far))
+                .await
+                .expect("claim");
+
+            let ids = |v: Vec<Record>| v.into_iter().map(|r| r.id.0).collect::<Vec<_>>();
+            assert_eq!(
+                ids(s.stale_executing(NOW, 10).await.expect("stale")),
+                ["ex_unleased", "ex_expired"],
+                "no lease first, then oldest lease"
+            );
+            assert_eq!(
+                ids(s.stale_executing(NOW, 1).await.expect("stale")),
+                ["ex_unleased"]
+            );
+            let mut all = ids(s.stale_executing(i64::MAX, 10).await.expect("stale"));
+            all.sort();
+            assert_eq!(all, ["ex_expired", "ex_live", "ex_unleased"]);
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn renew_leases_extends_only_the_owners_executing_records() {
+        with_schema(|url, schema| async move {
+            let s = store(&url, &schema).await;
+            let far = NOW + 10_000;
+            let a1 = claimed(
+                s.claim(start(record("ex_a1", "op", far), "a", NOW + 5))
+                    .await
+                    .expect("claim"),
+            );
+            s.claim(start(record("ex_a2", "op", far), "a", NOW + 5))
+                .await
+                .expect("claim");
+            s.claim(start(record("ex_b1", "op", far), "b", NOW + 5))
+                .await
+                .expect("claim");
+
+            assert_eq!(s.renew_leases("a", NOW + 100).await.expect("renew"), 2);
+            assert_eq!(s.renew_leases("nobody", NOW + 100).await.expect("renew"), 0);
+            let stale = s.stale_executing(NOW + 50, 10).await.expect("stale");
+            assert_eq!(
+                stale.iter().map(|r| r.id.0.as_str()).collect::<Vec<_>>(),
+                ["ex_b1"]
+            );
+            // A renewal never moves a lease backwards.
+            assert_eq!(s.renew_leases("a", NOW + 20).await.expect("renew"), 2);
+
+            let renewed = s.get(&id("ex_a1")).await.expect("get").expect("present");
+            assert_eq!(renewed.version, a1.version, "renewal is not a decision");
+            assert_eq!(
+                renewed.lease.as_ref().map(|l| l.expires_at_ms),
+                Some(NOW + 100)
+            );
+
+            // The owner's copy predates the renewal; writing it keeps the later lease.
+            let mut own = a1.clone();
+            own.external_id = Some("msg_1".into());
+            let written = s.update(own).await.expect("owner's CAS still matches");
+            assert_eq!(
+                written.lease.as_ref().map(|l| l.expires_at_ms),
+                Some(NOW + 100)
+            );
+            assert_eq!(
+                s.get(&id("ex_a1")).await.expect("get"),
+                Some(written.clone())
+            );
+
+            // Once committed the record has no lease and is not renewed.
+            let mut done = written;
+            done.apply(Event::Commit, NOW + 30, None)
+                .expect("executing -> committed");
+            let done = s.update(done).await.expect("commit");
+            assert_eq!(done.lease, None);
+            assert_eq!(s.renew_leases("a", NOW + 200).await.expect("renew"), 1);
+        })
+        .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn gc_from_two_instances_deletes_each_expired_row_once() {
+        with_schema(|url, schema| async move {
+            let a = Arc::new(store(&url, &schema).await);
+            let b = Arc::new(store(&url, &schema).await);
+            let expired = 60;
+            for i in 0..expired {
+                let mut r = record(&format!("ex_old_{i:03}"), "op", NOW - 1 - i as i64);
+                if i % 3 == 0 {
+                    r.apply(Event::Cancel, NOW - 5, None).expect("cancel");
+                }
+                a.claim(r).await.expect("claim");
+            }
+            for i in 0..5 {
+                a.claim(start(
+                    record(&format!("ex_run_{i}"), "op", NOW - 100),
+                    "a",
+                    NOW - 1,
+                ))
+                .await
+                .expect("claim");
+            }
+            for i in 0..10 {
+                a.claim(record(&format!("ex_keep_{i}"), "op", NOW + 1))
+                    .await
+                    .expect("claim");
+            }
+
+            let sweep = |s: Arc<PostgresStore>| async move {
+                let mut total = 0;
+                loop {
+                    let n = s.gc(NOW, 7).await.expect("gc");
+                    if n == 0 {
+                        return total;
+                    }
+                    total += n;
+                }
+            };
+            let (da, db) = tokio::join!(
+                tokio::spawn(sweep(Arc::clone(&a))),
+                tokio::spawn(sweep(Arc::clone(&b)))
+            );
+            let (da, db) = (da.expect("sweeper a"), db.expect("sweeper b"));
+            // A sweeper may stop early on rows the other has locked; a final pass finds
+            // nothing left either way.
+            let rest = a.gc(NOW, 1000).await.expect("gc");
+            assert_eq!(
+                da + db + rest,
+                expired,
+                "each expired row deleted exactly once"
+            );
+            assert_eq!(rest, 0);
+
+            let left = a
+                .list(&ListFilter {
+                    limit: 1000,
+                    ..ListFilter::default()
+                })
+                .await
+                .expect("list");
+            let mut names: Vec<_> = left.iter().map(|r| r.id.0.clone()).collect();
+            names.sort();
+            let mut want: Vec<String> = (0..5)
+                .map(|i| format!("ex_run_{i}"))
+                .chain((0..10).map(|i| format!("ex_keep_{i}")))
+                .collect();
+            want.sort();
+            assert_eq!(names, want, "executing and retained records survive");
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn list_pages_in_id_order_with_filters() {
+        with_schema(|url, schema| async move {
+            let s = store(&url, &schema).await;
+            for i in 0..25 {
+                let op = if i % 2 == 0 { "op_even" } else { "op_odd" };
+                let mut r = record(&format!("ex_{i:02}"), op, NOW + 100);
+                if i % 5 == 0 {
+                    r.apply(Event::Cancel, NOW, None).expect("cancel");
+                }
+                s.claim(r).await.expect("claim");
+            }
+            let page = |after: Option<&str>, limit: usize| ListFilter {
+                after: after.map(id),
+                limit,
+                ..ListFilter::default()
+            };
+
+            let mut seen = Vec::new();
+            let mut after: Option<String> = None;
+            loop {
+                let got = s.list(&page(after.as_deref(), 10)).await.expect("list");
+                if got.is_empty() {
+                    break;
+                }
+                assert!(got.len() <= 10);
+                after = got.last().map(|r| r.id.0.clone());
+                seen.extend(got.into_iter().map(|r| r.id.0));
+            }
+            let all: Vec<String> = (0..25).map(|i| format!("ex_{i:02}")).collect();
+            assert_eq!(seen, all, "pages cover every record once, in id order");
+
+            let ids = |v: Vec<Record>| v.into_iter().map(|r| r.id.0).collect::<Vec<_>>();
+            let cancelled = ListFilter {
+                status: Some(State::CancelledBeforeCommit),
+                limit: 100,
+                ..ListFilter::default()
+            };
+            assert_eq!(
+                ids(s.list(&cancelled).await.expect("list")),
+                ["ex_00", "ex_05", "ex_10", "ex_15", "ex_20"]
+            );
+            let odd_cancelled = ListFilter {
+                operation: Some("op_odd".into()),
+                after: Some(id("ex_05")),
+                ..cancelled.clone()
+            };
+            assert_eq!(ids(s.list(&odd_cancelled).await.expect("list")), ["ex_15"]);
+            let odd = ListFilter {
+                operation: Some("op_odd".into()),
+                limit: 3,
+                ..ListFilter::default()
+            };
+            assert_eq!(
+                ids(s.list(&odd).await.expect("list")),
+                ["ex_01", "ex_03", "ex_05"]
+            );
+            assert!(s.list(&page(None, 0)).await.expect("list").is_empty());
+        })
+        .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_starts_migrate_once() {
+        with_schema(|url, schema| async move {
+            let starts: Vec<_> = (0..4)
+                .map(|_| {
+                    let (url, schema) = (url.clone(), schema.clone());
+                    tokio::spawn(async move { PostgresStore::connect(&url, &schema).await })
+                })
+                .collect();
+            for s in starts {
+                s.await.expect("connect task").expect("concurrent connect");
+            }
+            store(&url, &schema).await; // and again, on an up-to-date schema
+
+            let client = raw_client(&url).await;
+            let q = schema::quote(&schema);
+            let versions: Vec<i32> = client
+                .query(
+                    &format!("SELECT version FROM {q}.schema_migrations ORDER BY version"),
+                    &[],
+                )
+                .await
+                .expect("migrations")
+                .iter()
+                .map(|r| r.get(0))
+                .collect();
+            let want: Vec<i32> = (1..=schema::latest_version()).collect();
+            assert_eq!(versions, want, "each migration applied exactly once");
+
+            // A schema from a newer build is refused rather than written to.
+            client
+                .batch_execute(&format!(
+                    "INSERT INTO {q}.schema_migrations (version) VALUES (9999)"
+                ))
+                .await
+                .expect("fake a newer schema");
+            match PostgresStore::connect(&url, &schema).await {
+                Err(StoreError::Backend(msg)) => assert!(msg.contains("newer"), "{msg}"),
+                Err(other) => panic!("unexpected error {other}"),
+                Ok(_) => panic!("a newer schema must be refused"),
+            }
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn pooled_connections_commit_synchronously() {
+        with_schema(|url, schema| async move {
+            let s = store(&url, &schema).await;
+            let client = s.client("test").await.expect("pooled connection");
+            let row = client
+                .query_one(
+                    "SELECT current_setting('synchronous_commit'), \
+                     current_setting('application_name')",
+                    &[],
+                )
+                .await
+                .expect("settings");
+            let (sync, app): (String, String) = (row.get(0), row.get(1));
+            assert_eq!((sync.as_str(), app.as_str()), ("on", "idemproxy"));
+
+            // Options in the URL are kept, but cannot switch durability off.
+            let sep = if url.contains('?') { '&' } else { '?' };
+            let weakened = format!("{url}{sep}options=-c%20synchronous_commit%3Doff");
+            let s = store(&weakened, &schema).await;
+            let client = s.client("test").await.expect("pooled connection");
+            let sync: String = client
+                .query_one("SELECT current_setting('synchronous_commit')", &[])
+                .await
+                .expect("setting")
+                .get(0);
+            assert_eq!(sync, "on");
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn unreadable_rows_are_reported_not_panicked_on() {
+        with_schema(|url, schema| async move {
+            let s = store(&url, &schema).await;
+            s.claim(record("ex_bad", "op", NOW + 100))
+                .await
+                .expect("claim");
+            raw_client(&url)
+                .await
+                .batch_execute(&format!(
+                    "UPDATE {}.records SET body = '\\x00ff'::bytea WHERE id = 'ex_bad'",
+                    schema::quote(&schema)
+                ))
+                .await
+                .expect("corrupt the row");
+            match s.get(&id("ex_bad")).await {
+                Err(StoreError::Corrupt { id, .. }) => assert_eq!(id, "ex_bad"),
+                other => panic!("expected Corrupt, got {other:?}"),
+            }
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn connect_refuses_a_bad_schema_name_before_touching_the_network() {
+        // Port 1 is never a PostgreSQL server: success here would mean no validation.
+        let err = PostgresStore::connect("postgres://nobody@127.0.0.1:1/x", "drop table;")
+            .await
+            .err()
+            .expect("refused");
+        assert!(err.to_string().contains("invalid schema name"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn errors_do_not_echo_the_connection_url() {
+        let err = PostgresStore::connect("postgres://u:s3cret@127.0.0.1:1/x", "idemproxy")
+            .await
+            .err()
+            .expect("nothing listens on port 1");
+        let text = err.to_string();
+        assert!(matches!(err, StoreError::Backend(_)), "{text}");
+        assert!(!text.contains("s3cret"), "{text}");
+    }
+}

@@ -1,0 +1,180 @@
+//! The PostgreSQL schema the store owns: schema-name validation and versioned migrations.
+//! Migrations run once per start, in one transaction held under an advisory lock, so
+//! several instances starting together apply each step exactly once.
+
+use deadpool_postgres::Client;
+
+use super::db_error;
+use crate::store::{StoreError, StoreResult};
+
+/// PostgreSQL truncates identifiers longer than this (NAMEDATALEN - 1).
+const MAX_IDENTIFIER_BYTES: usize = 63;
+
+/// Ordered, append-only: a released step is never edited, only followed by a new one.
+/// `{schema}` is replaced by the quoted schema name.
+const MIGRATIONS: &[(i32, &str)] = &[(
+    1,
+    r#"
+    CREATE TABLE {schema}.records (
+        id                  text    PRIMARY KEY,
+        version             bigint  NOT NULL CHECK (version > 0),
+        state               text    NOT NULL,
+        operation_id        text,
+        lease_owner         text,
+        lease_expires_at_ms bigint,
+        expires_at_ms       bigint  NOT NULL,
+        created_at_ms       bigint  NOT NULL,
+        body                bytea   NOT NULL
+    );
+    -- (state, id) and (operation_id, id) also serve `list`'s filtered pages in id order.
+    CREATE INDEX records_state_idx ON {schema}.records (state, id);
+    CREATE INDEX records_expires_idx ON {schema}.records (expires_at_ms);
+    CREATE INDEX records_operation_idx ON {schema}.records (operation_id, id);
+    "#,
+)];
+
+/// The newest schema version this build knows.
+pub(super) fn latest_version() -> i32 {
+    MIGRATIONS.last().map(|(v, _)| *v).unwrap_or(0)
+}
+
+/// Accepts what an operator would type unquoted: lower-case ASCII letters, digits and
+/// `_`, not starting with a digit, at most 63 bytes, and not in the reserved `pg_` space.
+/// The name is still always quoted in SQL; the rule keeps it unambiguous in `psql`.
+pub(super) fn validate_schema_name(name: &str) -> StoreResult<()> {
+    let bad = |why: &str| {
+        Err(StoreError::Backend(format!(
+            "invalid schema name {name:?}: {why}"
+        )))
+    };
+    let Some(first) = name.chars().next() else {
+        return bad("empty");
+    };
+    if name.len() > MAX_IDENTIFIER_BYTES {
+        return bad("longer than 63 bytes");
+    }
+    if !(first.is_ascii_lowercase() || first == '_') {
+        return bad("must start with a lower-case letter or `_`");
+    }
+    if !name
+        .chars()
+        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+    {
+        return bad("only lower-case ASCII letters, digits and `_` are allowed");
+    }
+    if name.starts_with("pg_") {
+        return bad("the `pg_` prefix is reserved by PostgreSQL");
+    }
+    Ok(())
+}
+
+/// `name` quoted as an identifier. Only called on validated names, which contain no `"`.
+pub(super) fn quote(name: &str) -> String {
+    format!("\"{name}\"")
+}
+
+/// Create the schema if missing and apply every migration newer than the stored version.
+/// Refuses a database whose schema is newer than this build (an older binary must not
+/// write rows whose meaning it does not know).
+pub(super) async fn migrate(client: &mut Client, schema: &str) -> StoreResult<()> {
+    let q = quote(schema);
+    let tx = client
+        .transaction()
+        .await
+        .map_err(|e| db_error("begin migration", &e))?;
+    // Serialises concurrent starts; released by COMMIT/ROLLBACK. Keyed by schema so
+    // unrelated schemas (e.g. parallel tests) do not wait on each other.
+    tx.execute(
+        "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))",
+        &[&format!("idemproxy.migrate:{schema}")],
+    )
+    .await
+    .map_err(|e| db_error("take migration lock", &e))?;
+    // Checked first: CREATE SCHEMA IF NOT EXISTS still needs CREATE on the database, which
+    // a least-privilege role given a pre-made schema does not have.
+    let exists = tx
+        .query_opt("SELECT 1 FROM pg_namespace WHERE nspname = $1", &[&schema])
+        .await
+        .map_err(|e| db_error("look up schema", &e))?
+        .is_some();
+    if !exists {
+        tx.batch_execute(&format!("CREATE SCHEMA {q}"))
+            .await
+            .map_err(|e| db_error("create schema", &e))?;
+    }
+    tx.batch_execute(&format!(
+        "CREATE TABLE IF NOT EXISTS {q}.schema_migrations (
+             version    integer     PRIMARY KEY,
+             applied_at timestamptz NOT NULL DEFAULT now()
+         )"
+    ))
+    .await
+    .map_err(|e| db_error("create schema_migrations", &e))?;
+    let current: i32 = tx
+        .query_one(
+            &format!("SELECT COALESCE(MAX(version), 0) FROM {q}.schema_migrations"),
+            &[],
+        )
+        .await
+        .map_err(|e| db_error("read schema version", &e))?
+        .try_get(0)
+        .map_err(|e| db_error("read schema version", &e))?;
+    let latest = latest_version();
+    if current > latest {
+        return Err(StoreError::Backend(format!(
+            "postgres schema {schema:?} is at version {current}, newer than this idemproxy \
+             supports ({latest}); upgrade idemproxy"
+        )));
+    }
+    for (version, sql) in MIGRATIONS.iter().filter(|(v, _)| *v > current) {
+        tx.batch_execute(&sql.replace("{schema}", &q))
+            .await
+            .map_err(|e| db_error(&format!("apply migration {version}"), &e))?;
+        tx.execute(
+            &format!("INSERT INTO {q}.schema_migrations (version) VALUES ($1)"),
+            &[version],
+        )
+        .await
+        .map_err(|e| db_error(&format!("record migration {version}"), &e))?;
+    }
+    tx.commit()
+        .await
+        .map_err(|e| db_error("commit migration", &e))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schema_names_are_plain_identifiers() {
+        for ok in ["idemproxy", "_x", "a1_b2", &"a".repeat(63)] {
+            assert!(validate_schema_name(ok).is_ok(), "{ok} should be accepted");
+        }
+        for bad in [
+            "",
+            "1abc",
+            "Idemproxy",
+            "a-b",
+            "a b",
+            "a\"b",
+            "a;drop",
+            "pg_temp",
+            "é",
+            &"a".repeat(64),
+        ] {
+            assert!(
+                validate_schema_name(bad).is_err(),
+                "{bad:?} should be refused"
+            );
+        }
+    }
+
+    #[test]
+    fn migrations_are_strictly_increasing_from_one() {
+        let versions: Vec<i32> = MIGRATIONS.iter().map(|(v, _)| *v).collect();
+        let expected: Vec<i32> = (1..=versions.len() as i32).collect();
+        assert_eq!(versions, expected);
+    }
+}
