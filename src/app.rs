@@ -33,8 +33,10 @@ async fn open_postgres(url_env: &str, schema: &str) -> anyhow::Result<Arc<dyn St
 }
 
 async fn postgres_store(url: &str, schema: &str) -> anyhow::Result<Arc<dyn Store>> {
-    let _ = (url, schema);
-    bail!("the postgres backend is not available in this build")
+    let store = crate::store::postgres::PostgresStore::connect(url, schema)
+        .await
+        .with_context(|| format!("connecting to the PostgreSQL store (schema {schema})"))?;
+    Ok(Arc::new(store))
 }
 
 /// Handle on a running proxy (used by `serve` and by tests that embed the proxy).
