@@ -3,6 +3,8 @@
 //! [`writer`]); reads use their own read transactions and never wait for the writer.
 
 mod tables;
+#[cfg(test)]
+mod tests;
 mod writer;
 
 use std::path::{Path, PathBuf};

@@ -368,6 +368,21 @@ impl<'t> WriteTables<'t> {
     }
 }
 
+/// The number of entries in each table (records, status, expiry, operation), for tests
+/// that check the indexes stay in step with the records.
+#[cfg(test)]
+pub(super) fn table_sizes(db: &Database) -> [u64; 4] {
+    use ::redb::ReadableTableMetadata;
+    let txn = db.begin_read().expect("test reads its own database");
+    [
+        txn.open_table(RECORDS).expect("table exists").len(),
+        txn.open_table(BY_STATUS).expect("table exists").len(),
+        txn.open_table(BY_EXPIRY).expect("table exists").len(),
+        txn.open_table(BY_OPERATION).expect("table exists").len(),
+    ]
+    .map(|n| n.expect("len reads"))
+}
+
 #[cfg(test)]
 #[test]
 fn executing_code_matches_the_state_machine() {
