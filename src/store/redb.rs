@@ -1,1 +1,239 @@
-//! redb store (placeholder).
+//! The embedded store: execution records in one redb file, for a single proxy instance.
+//! Writes go through one writer thread that group-commits them (one fsync per batch, see
+//! [`writer`]); reads use their own read transactions and never wait for the writer.
+
+mod tables;
+#[cfg(test)]
+mod tests;
+mod writer;
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use ::redb::{CompactionError, Database, DatabaseError};
+use async_trait::async_trait;
+use tokio::sync::oneshot;
+
+use self::tables::Snapshot;
+use self::writer::{Command, Reply, Writer};
+use crate::policy::identity::ExecutionId;
+use crate::store::{Claim, ListFilter, Record, Store, StoreError, StoreResult};
+
+/// Counters that show group commit at work: `writes / commits` is the mean batch size.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RedbStats {
+    /// Write transactions committed (each one fsync).
+    pub commits: u64,
+    /// Write commands (claim, update, renew_leases, gc) in those commits.
+    pub writes: u64,
+}
+
+/// A [`Store`] over one redb file. Open it once per process: redb locks the file, so a
+/// second opener (in this process or another) is refused.
+pub struct RedbStore {
+    shared: Arc<Shared>,
+    /// `None` only while [`RedbStore::compact`] has the database to itself.
+    writer: Option<Writer>,
+}
+
+/// What the writer thread and the read path share.
+struct Shared {
+    db: Database,
+    path: PathBuf,
+    /// Set once, by the first failed batch. From then on every write is refused: after a
+    /// failed commit we no longer know what is on disk, and guessing could let a call run
+    /// twice (the same rule as redb's own `PreviousIo`).
+    failed: OnceLock<String>,
+    commits: AtomicU64,
+    writes: AtomicU64,
+    #[cfg(test)]
+    test: writer::TestHooks,
+}
+
+impl Shared {
+    /// Makes the store sticky-failed and returns the reason for the batch's callers.
+    fn fail(&self, reason: String) -> String {
+        tracing::error!(path = %self.path.display(), %reason, "redb store failed; refusing all further writes");
+        let _ = self.failed.set(reason.clone());
+        reason
+    }
+
+    fn refusal(&self) -> Option<StoreError> {
+        self.failed
+            .get()
+            .map(|reason| StoreError::Backend(format!("store failed earlier: {reason}")))
+    }
+}
+
+impl RedbStore {
+    /// Opens (or creates, with its parent directories) the store at `path`. Blocking: a
+    /// file left by a crash is repaired here, so call it at startup, not on a hot path.
+    pub fn open(path: &Path) -> StoreResult<RedbStore> {
+        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent).map_err(|e| {
+                StoreError::Backend(format!("cannot create directory {}: {e}", parent.display()))
+            })?;
+        }
+        let db = Database::create(path).map_err(|e| match e {
+            DatabaseError::DatabaseAlreadyOpen => StoreError::Backend(format!(
+                "{} is already open in another process (redb locks the file); \
+                 stop that process or use a different store path",
+                path.display()
+            )),
+            e => StoreError::Backend(format!("cannot open {}: {e}", path.display())),
+        })?;
+        tables::create_all(&db).map_err(|e| {
+            StoreError::Backend(format!("cannot initialise {}: {e}", path.display()))
+        })?;
+        let shared = Arc::new(Shared {
+            db,
+            path: path.to_path_buf(),
+            failed: OnceLock::new(),
+            commits: AtomicU64::new(0),
+            writes: AtomicU64::new(0),
+            #[cfg(test)]
+            test: writer::TestHooks::default(),
+        });
+        let writer = Writer::spawn(shared.clone())?;
+        Ok(RedbStore {
+            shared,
+            writer: Some(writer),
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.shared.path
+    }
+
+    pub fn stats(&self) -> RedbStats {
+        RedbStats {
+            commits: self.shared.commits.load(Ordering::Relaxed),
+            writes: self.shared.writes.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Shrinks the file after deletions (run it at startup or after a large `gc`). Returns
+    /// whether redb could compact anything.
+    ///
+    /// redb compacts only with no transaction alive, so this stops the writer thread for
+    /// its duration and needs `&mut self`: with the store behind an `Arc`, call it before
+    /// sharing the store (or through `Arc::get_mut`). It fails without harm if a read task
+    /// whose caller gave up (a dropped `list` future) is still running.
+    pub fn compact(&mut self) -> StoreResult<bool> {
+        if let Some(e) = self.shared.refusal() {
+            return Err(e);
+        }
+        if let Some(writer) = self.writer.take() {
+            writer.stop();
+        }
+        let result = match Arc::get_mut(&mut self.shared) {
+            Some(shared) => match shared.db.compact() {
+                Ok(done) => Ok(done),
+                // A storage error part way through a compaction leaves the file in a state
+                // we did not commit to: fail closed, as for a failed commit.
+                Err(CompactionError::Storage(e)) => Err(StoreError::Backend(
+                    shared.fail(format!("compaction failed: {e}")),
+                )),
+                Err(e) => Err(StoreError::Backend(format!("cannot compact now: {e}"))),
+            },
+            None => Err(StoreError::Backend(
+                "cannot compact now: a read of this store is still running".into(),
+            )),
+        };
+        self.writer = Some(Writer::spawn(self.shared.clone())?);
+        result
+    }
+
+    /// Hands a write to the writer thread and waits until its batch is durable.
+    async fn submit<T: Send>(
+        &self,
+        command: impl FnOnce(Reply<T>) -> Command + Send,
+    ) -> StoreResult<T> {
+        // Checked here too (the writer checks again) so a failed store answers at once.
+        if let Some(e) = self.shared.refusal() {
+            return Err(e);
+        }
+        let writer = self
+            .writer
+            .as_ref()
+            .ok_or_else(|| StoreError::Backend("the redb writer is not running".into()))?;
+        let (reply, answer) = oneshot::channel();
+        writer.send(command(reply))?;
+        #[cfg(test)]
+        self.shared.test.submitted.fetch_add(1, Ordering::SeqCst);
+        answer.await.map_err(|_| {
+            StoreError::Backend("the redb writer stopped before answering (it panicked)".into())
+        })?
+    }
+
+    /// Runs a scan on the blocking pool: it reads up to `limit` records and decodes their
+    /// JSON, which is too long to hold a runtime worker for.
+    async fn scan<T: Send + 'static>(
+        &self,
+        read: impl FnOnce(&Snapshot) -> StoreResult<T> + Send + 'static,
+    ) -> StoreResult<T> {
+        let shared = self.shared.clone();
+        tokio::task::spawn_blocking(move || read(&Snapshot::begin(&shared.db)?))
+            .await
+            .map_err(|e| StoreError::Backend(format!("store read task failed: {e}")))?
+    }
+}
+
+impl Drop for RedbStore {
+    /// Closes the queue and joins the writer, which answers everything already queued
+    /// first. The file itself closes when the last read task lets go of it.
+    fn drop(&mut self) {
+        if let Some(writer) = self.writer.take() {
+            writer.stop();
+        }
+    }
+}
+
+#[async_trait]
+impl Store for RedbStore {
+    async fn claim(&self, record: Record) -> StoreResult<Claim> {
+        self.submit(|reply| Command::Claim { record, reply }).await
+    }
+
+    /// Runs on the caller's thread: a point read is one B-tree lookup in pages that are
+    /// almost always in redb's cache (about a microsecond), well below what a hop to the
+    /// blocking pool costs, and redb's read transactions never wait for the writer (its
+    /// fsync happens outside the lock readers take).
+    async fn get(&self, id: &ExecutionId) -> StoreResult<Option<Record>> {
+        Snapshot::begin(&self.shared.db)?.get(id.as_str())
+    }
+
+    async fn update(&self, record: Record) -> StoreResult<Record> {
+        self.submit(|reply| Command::Update { record, reply }).await
+    }
+
+    async fn list(&self, filter: &ListFilter) -> StoreResult<Vec<Record>> {
+        let filter = filter.clone();
+        self.scan(move |snapshot| snapshot.list(&filter)).await
+    }
+
+    async fn stale_executing(&self, now_ms: i64, limit: usize) -> StoreResult<Vec<Record>> {
+        self.scan(move |snapshot| snapshot.stale_executing(now_ms, limit))
+            .await
+    }
+
+    async fn renew_leases(&self, owner: &str, until_ms: i64) -> StoreResult<u64> {
+        let owner = owner.to_string();
+        self.submit(|reply| Command::RenewLeases {
+            owner,
+            until_ms,
+            reply,
+        })
+        .await
+    }
+
+    async fn gc(&self, now_ms: i64, limit: usize) -> StoreResult<u64> {
+        self.submit(|reply| Command::Gc {
+            now_ms,
+            limit,
+            reply,
+        })
+        .await
+    }
+}

@@ -1,0 +1,390 @@
+//! On-disk layout of the redb store: the records table and the three indexes that must
+//! change with it, plus the read queries and per-command write steps built on them. The
+//! writer thread and the read path both go through here, so index upkeep lives in one place.
+
+use std::fmt;
+use std::ops::Bound;
+
+use ::redb::{
+    Database, ReadTransaction, ReadableDatabase, ReadableTable, Table, TableDefinition,
+    WriteTransaction,
+};
+
+use crate::store::{Claim, ListFilter, Record, StoreError, StoreResult};
+
+/// Execution id → [`Record::to_bytes`].
+const RECORDS: TableDefinition<&str, &[u8]> = TableDefinition::new("records");
+/// (state code, execution id): lists by status and finds `executing` records without a scan.
+const BY_STATUS: TableDefinition<(u8, &str), ()> = TableDefinition::new("by_status");
+/// (expires_at_ms, execution id): gc walks this from the oldest and stops at `now`.
+const BY_EXPIRY: TableDefinition<(i64, &str), ()> = TableDefinition::new("by_expiry");
+/// (operation id, execution id): `ListFilter.operation` (cancelling an operation).
+const BY_OPERATION: TableDefinition<(&str, &str), ()> = TableDefinition::new("by_operation");
+
+/// `State::Executing.code()`, as a constant for index keys (checked by a test below).
+const EXECUTING: u8 = 3;
+
+/// A redb failure of any kind. In the writer this aborts the whole batch.
+pub(super) fn storage(e: impl fmt::Display) -> StoreError {
+    StoreError::Backend(e.to_string())
+}
+
+/// An index names a record that is not there: the file was changed outside this store.
+fn dangling(index: &str, id: &str) -> StoreError {
+    StoreError::Corrupt {
+        id: id.to_string(),
+        reason: format!("{index} index entry without a record"),
+    }
+}
+
+/// Creates every table, so read transactions never meet a missing one.
+pub(super) fn create_all(db: &Database) -> StoreResult<()> {
+    let txn = db.begin_write().map_err(storage)?;
+    WriteTables::open(&txn)?;
+    txn.commit().map_err(storage)
+}
+
+fn load<T: ReadableTable<&'static str, &'static [u8]>>(
+    records: &T,
+    id: &str,
+) -> StoreResult<Option<Record>> {
+    match records.get(id).map_err(storage)? {
+        Some(bytes) => Record::from_bytes(id, bytes.value()).map(Some),
+        None => Ok(None),
+    }
+}
+
+/// Ids in `code` after `after` (exclusive), in id order, lazily.
+fn ids_in_state<'t, T: ReadableTable<(u8, &'static str), ()>>(
+    by_status: &'t T,
+    code: u8,
+    after: Option<&str>,
+) -> StoreResult<impl Iterator<Item = StoreResult<String>> + 't> {
+    let lower = match after {
+        Some(a) => Bound::Excluded((code, a)),
+        None => Bound::Included((code, "")),
+    };
+    // (code + 1, "") is the smallest key of the next state.
+    let range = by_status
+        .range::<(u8, &str)>((lower, Bound::Excluded((code + 1, ""))))
+        .map_err(storage)?;
+    Ok(range.map(|entry| {
+        let (key, _) = entry.map_err(storage)?;
+        Ok(key.value().1.to_string())
+    }))
+}
+
+fn lease_stale(record: &Record, now_ms: i64) -> bool {
+    // `i64::MAX` means "all of them", including a lease that runs until `i64::MAX`.
+    now_ms == i64::MAX
+        || record
+            .lease
+            .as_ref()
+            .is_none_or(|lease| lease.expires_at_ms < now_ms)
+}
+
+/// A read snapshot. Every method sees the same committed state.
+pub(super) struct Snapshot {
+    txn: ReadTransaction,
+}
+
+impl Snapshot {
+    pub(super) fn begin(db: &Database) -> StoreResult<Snapshot> {
+        Ok(Snapshot {
+            txn: db.begin_read().map_err(storage)?,
+        })
+    }
+
+    pub(super) fn get(&self, id: &str) -> StoreResult<Option<Record>> {
+        let records = self.txn.open_table(RECORDS).map_err(storage)?;
+        load(&records, id)
+    }
+
+    pub(super) fn list(&self, filter: &ListFilter) -> StoreResult<Vec<Record>> {
+        let mut out = Vec::new();
+        if filter.limit == 0 {
+            return Ok(out);
+        }
+        let records = self.txn.open_table(RECORDS).map_err(storage)?;
+        let after = filter.after.as_ref().map(|a| a.as_str());
+        let wanted = |r: &Record| {
+            filter.status.is_none_or(|s| r.state() == s)
+                && filter
+                    .operation
+                    .as_ref()
+                    .is_none_or(|op| r.operation_id.as_ref() == Some(op))
+        };
+        // Walk whichever index narrows the most; each yields ids in id order, which is the
+        // order the cursor needs.
+        if let Some(state) = filter.status {
+            let by_status = self.txn.open_table(BY_STATUS).map_err(storage)?;
+            for id in ids_in_state(&by_status, state.code(), after)? {
+                let id = id?;
+                let record = load(&records, &id)?.ok_or_else(|| dangling("status", &id))?;
+                if wanted(&record) {
+                    out.push(record);
+                    if out.len() >= filter.limit {
+                        break;
+                    }
+                }
+            }
+        } else if let Some(op) = filter.operation.as_deref() {
+            let by_operation = self.txn.open_table(BY_OPERATION).map_err(storage)?;
+            let lower = match after {
+                Some(a) => Bound::Excluded((op, a)),
+                None => Bound::Included((op, "")),
+            };
+            let range = by_operation
+                .range::<(&str, &str)>((lower, Bound::Unbounded))
+                .map_err(storage)?;
+            for entry in range {
+                let (key, _) = entry.map_err(storage)?;
+                let (key_op, id) = key.value();
+                if key_op != op {
+                    break;
+                }
+                let record = load(&records, id)?.ok_or_else(|| dangling("operation", id))?;
+                out.push(record);
+                if out.len() >= filter.limit {
+                    break;
+                }
+            }
+        } else {
+            let lower = after.map_or(Bound::Unbounded, Bound::Excluded);
+            let range = records
+                .range::<&str>((lower, Bound::Unbounded))
+                .map_err(storage)?;
+            for entry in range {
+                let (key, bytes) = entry.map_err(storage)?;
+                out.push(Record::from_bytes(key.value(), bytes.value())?);
+                if out.len() >= filter.limit {
+                    break;
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    pub(super) fn stale_executing(&self, now_ms: i64, limit: usize) -> StoreResult<Vec<Record>> {
+        let mut out = Vec::new();
+        if limit == 0 {
+            return Ok(out);
+        }
+        let records = self.txn.open_table(RECORDS).map_err(storage)?;
+        let by_status = self.txn.open_table(BY_STATUS).map_err(storage)?;
+        for id in ids_in_state(&by_status, EXECUTING, None)? {
+            let id = id?;
+            let record = load(&records, &id)?.ok_or_else(|| dangling("status", &id))?;
+            if lease_stale(&record, now_ms) {
+                out.push(record);
+                if out.len() >= limit {
+                    break;
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// The four tables opened inside one write transaction. Every method either fails with
+/// [`StoreError::Backend`] (redb failed: the caller aborts the batch) or checks everything
+/// before its first write, so a logical refusal (Conflict, NotFound, Corrupt) writes nothing
+/// and the rest of the batch goes on.
+pub(super) struct WriteTables<'t> {
+    records: Table<'t, &'static str, &'static [u8]>,
+    by_status: Table<'t, (u8, &'static str), ()>,
+    by_expiry: Table<'t, (i64, &'static str), ()>,
+    by_operation: Table<'t, (&'static str, &'static str), ()>,
+}
+
+impl<'t> WriteTables<'t> {
+    pub(super) fn open(txn: &'t WriteTransaction) -> StoreResult<WriteTables<'t>> {
+        Ok(WriteTables {
+            records: txn.open_table(RECORDS).map_err(storage)?,
+            by_status: txn.open_table(BY_STATUS).map_err(storage)?,
+            by_expiry: txn.open_table(BY_EXPIRY).map_err(storage)?,
+            by_operation: txn.open_table(BY_OPERATION).map_err(storage)?,
+        })
+    }
+
+    pub(super) fn claim(&mut self, mut record: Record) -> StoreResult<Claim> {
+        if let Some(existing) = load(&self.records, record.id.as_str())? {
+            return Ok(Claim::Existing(existing));
+        }
+        record.version = 1;
+        self.put(None, &record)?;
+        Ok(Claim::Claimed(record))
+    }
+
+    pub(super) fn update(&mut self, mut record: Record) -> StoreResult<Record> {
+        let id = record.id.clone();
+        let stored = load(&self.records, id.as_str())?.ok_or(StoreError::NotFound(id.clone()))?;
+        if stored.version != record.version {
+            return Err(StoreError::Conflict {
+                id,
+                expected: record.version,
+                found: stored.version,
+            });
+        }
+        record.version = stored
+            .version
+            .checked_add(1)
+            .ok_or_else(|| StoreError::Corrupt {
+                id: id.to_string(),
+                reason: "version counter exhausted".into(),
+            })?;
+        self.put(Some(&stored), &record)?;
+        Ok(record)
+    }
+
+    /// Does not bump `version`: the owner still holds the record it read, and its next
+    /// compare-and-set (commit, failure) must not lose to its own heartbeat. A takeover by
+    /// another owner goes through `update`, which does bump it, and then the lease here no
+    /// longer names `owner`.
+    pub(super) fn renew_leases(&mut self, owner: &str, until_ms: i64) -> StoreResult<u64> {
+        // Collected first: executing records are few, and the status index must not be
+        // borrowed while records change.
+        let ids =
+            ids_in_state(&self.by_status, EXECUTING, None)?.collect::<StoreResult<Vec<_>>>()?;
+        let mut renewed = Vec::new();
+        for id in ids {
+            match load(&self.records, &id) {
+                Ok(Some(mut record)) => {
+                    let Some(lease) = record.lease.as_mut() else {
+                        continue;
+                    };
+                    if lease.owner == owner {
+                        lease.expires_at_ms = until_ms;
+                        renewed.push(record);
+                    }
+                }
+                Ok(None) => return Err(dangling("status", &id)),
+                // One unreadable record must not stop the owner's other leases from being
+                // renewed (they would be taken over as stale).
+                Err(e @ StoreError::Corrupt { .. }) => {
+                    tracing::warn!(error = %e, "skipping unreadable record in lease renewal");
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        for record in &renewed {
+            // Only the lease changed: no index moves.
+            self.records
+                .insert(record.id.as_str(), record.to_bytes().as_slice())
+                .map_err(storage)?;
+        }
+        Ok(renewed.len() as u64)
+    }
+
+    pub(super) fn gc(&mut self, now_ms: i64, limit: usize) -> StoreResult<u64> {
+        let mut doomed = Vec::new();
+        for entry in self.by_expiry.iter().map_err(storage)? {
+            if doomed.len() >= limit {
+                break;
+            }
+            let (key, _) = entry.map_err(storage)?;
+            let (expires_at_ms, id) = key.value();
+            if expires_at_ms > now_ms {
+                break;
+            }
+            // An executing record is never deleted under its owner, whatever its retention.
+            if self
+                .by_status
+                .get((EXECUTING, id))
+                .map_err(storage)?
+                .is_some()
+            {
+                continue;
+            }
+            match load(&self.records, id) {
+                Ok(Some(record)) => doomed.push(record),
+                Ok(None) => return Err(dangling("expiry", id)),
+                // Without the record its index keys are unknown; leave it for an operator
+                // rather than half-delete it.
+                Err(e @ StoreError::Corrupt { .. }) => {
+                    tracing::warn!(error = %e, "gc skips an unreadable record");
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        for record in &doomed {
+            self.delete(record)?;
+        }
+        Ok(doomed.len() as u64)
+    }
+
+    /// Writes `new` and moves its index entries from where `old` had them.
+    fn put(&mut self, old: Option<&Record>, new: &Record) -> StoreResult<()> {
+        let id = new.id.as_str();
+        self.records
+            .insert(id, new.to_bytes().as_slice())
+            .map_err(storage)?;
+
+        let code = new.state().code();
+        if old.map(|o| o.state().code()) != Some(code) {
+            if let Some(old) = old {
+                self.by_status
+                    .remove((old.state().code(), id))
+                    .map_err(storage)?;
+            }
+            self.by_status.insert((code, id), ()).map_err(storage)?;
+        }
+        if old.map(|o| o.expires_at_ms) != Some(new.expires_at_ms) {
+            if let Some(old) = old {
+                self.by_expiry
+                    .remove((old.expires_at_ms, id))
+                    .map_err(storage)?;
+            }
+            self.by_expiry
+                .insert((new.expires_at_ms, id), ())
+                .map_err(storage)?;
+        }
+        let old_op = old.and_then(|o| o.operation_id.as_deref());
+        let new_op = new.operation_id.as_deref();
+        if old.is_none() || old_op != new_op {
+            if let Some(op) = old_op {
+                self.by_operation.remove((op, id)).map_err(storage)?;
+            }
+            if let Some(op) = new_op {
+                self.by_operation.insert((op, id), ()).map_err(storage)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn delete(&mut self, record: &Record) -> StoreResult<()> {
+        let id = record.id.as_str();
+        self.records.remove(id).map_err(storage)?;
+        self.by_status
+            .remove((record.state().code(), id))
+            .map_err(storage)?;
+        self.by_expiry
+            .remove((record.expires_at_ms, id))
+            .map_err(storage)?;
+        if let Some(op) = record.operation_id.as_deref() {
+            self.by_operation.remove((op, id)).map_err(storage)?;
+        }
+        Ok(())
+    }
+}
+
+/// The number of entries in each table (records, status, expiry, operation), for tests
+/// that check the indexes stay in step with the records.
+#[cfg(test)]
+pub(super) fn table_sizes(db: &Database) -> [u64; 4] {
+    use ::redb::ReadableTableMetadata;
+    let txn = db.begin_read().expect("test reads its own database");
+    [
+        txn.open_table(RECORDS).expect("table exists").len(),
+        txn.open_table(BY_STATUS).expect("table exists").len(),
+        txn.open_table(BY_EXPIRY).expect("table exists").len(),
+        txn.open_table(BY_OPERATION).expect("table exists").len(),
+    ]
+    .map(|n| n.expect("len reads"))
+}
+
+#[cfg(test)]
+#[test]
+fn executing_code_matches_the_state_machine() {
+    assert_eq!(crate::policy::state::State::Executing.code(), EXECUTING);
+}

@@ -1,0 +1,605 @@
+//! Tests of the redb store against a real file: the `Store` contract, group commit, index
+//! upkeep, sticky failure, and (with a real child process killed mid-write) that every
+//! acknowledged write survives a crash.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::*;
+use crate::policy::identity::{ArgsHash, TenantScope};
+use crate::policy::state::{Event, State};
+use crate::store::{Lease, NewRecord};
+
+fn record(id: &str, operation: Option<&str>, expires_at_ms: i64) -> Record {
+    Record::new(NewRecord {
+        id: ExecutionId(id.into()),
+        tenant: TenantScope("t".into()),
+        upstream: "mail".into(),
+        route: "send_email".into(),
+        tool_version: "v1".into(),
+        operation_id: operation.map(str::to_string),
+        args_hash: ArgsHash("ab".into()),
+        method: "POST".into(),
+        path: "/send".into(),
+        query: None,
+        path_params: vec![],
+        preview: None,
+        now_ms: 1,
+        expires_at_ms,
+    })
+}
+
+fn executing(mut r: Record, owner: Option<(&str, i64)>) -> Record {
+    r.apply(Event::Start, 2, None)
+        .expect("prepared -> executing");
+    r.lease = owner.map(|(owner, expires_at_ms)| Lease {
+        owner: owner.into(),
+        expires_at_ms,
+    });
+    r
+}
+
+fn id(s: &str) -> ExecutionId {
+    ExecutionId(s.into())
+}
+
+fn open_temp() -> (tempfile::TempDir, RedbStore) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let store = RedbStore::open(&dir.path().join("nested/dir/store.redb")).expect("opens");
+    (dir, store)
+}
+
+async fn claimed(store: &RedbStore, r: Record) -> Record {
+    match store.claim(r).await.expect("claim") {
+        Claim::Claimed(r) => r,
+        Claim::Existing(r) => panic!("{} already existed", r.id),
+    }
+}
+
+/// Stores `r` (claim, then one update if it is not in `prepared`), returning it as stored.
+async fn insert(store: &RedbStore, r: Record) -> Record {
+    let mut first = record(r.id.as_str(), r.operation_id.as_deref(), r.expires_at_ms);
+    first = claimed(store, first).await;
+    if r.state() == State::Prepared && r.lease.is_none() {
+        return first;
+    }
+    let mut r = r;
+    r.version = first.version;
+    store.update(r).await.expect("update")
+}
+
+/// Holds the writer, runs `n` writes started by `start`, waits until all are queued, then
+/// lets the writer go: they all land in one batch.
+async fn in_one_batch<T, F>(store: &Arc<RedbStore>, n: usize, start: impl Fn(usize) -> F) -> Vec<T>
+where
+    F: std::future::Future<Output = T> + Send + 'static,
+    T: Send + 'static,
+{
+    let hooks = &store.shared.test;
+    hooks.paused.store(true, Ordering::SeqCst);
+    let before = hooks.submitted.load(Ordering::SeqCst);
+    let tasks: Vec<_> = (0..n).map(|i| tokio::spawn(start(i))).collect();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while hooks.submitted.load(Ordering::SeqCst) < before + n {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "writes never queued"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    hooks.paused.store(false, Ordering::SeqCst);
+    let mut out = Vec::with_capacity(n);
+    for t in tasks {
+        out.push(t.await.expect("task"));
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claim_get_update_compare_and_set() {
+    let (_dir, store) = open_temp();
+    assert!(store.path().ends_with("nested/dir/store.redb"));
+
+    let first = claimed(&store, record("ex_1", None, 100)).await;
+    assert_eq!(first.version, 1, "claim stores version 1");
+    assert_eq!(
+        store.get(&id("ex_1")).await.expect("get"),
+        Some(first.clone())
+    );
+    assert_eq!(store.get(&id("ex_none")).await.expect("get"), None);
+
+    match store.claim(record("ex_1", None, 100)).await.expect("claim") {
+        Claim::Existing(r) => assert_eq!(r, first),
+        Claim::Claimed(_) => panic!("second claim must see the first"),
+    }
+
+    let mut next = first.clone();
+    next.apply(Event::Start, 5, None).expect("start");
+    let stored = store.update(next.clone()).await.expect("update");
+    assert_eq!(stored.version, 2);
+    assert_eq!(stored.state(), State::Executing);
+    assert_eq!(store.get(&id("ex_1")).await.expect("get"), Some(stored));
+
+    // A writer holding the old version loses and writes nothing.
+    let err = store.update(next).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            StoreError::Conflict {
+                expected: 1,
+                found: 2,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    let err = store
+        .update(record("ex_missing", None, 1))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, StoreError::NotFound(_)), "{err:?}");
+    assert_eq!(
+        store
+            .get(&id("ex_1"))
+            .await
+            .expect("get")
+            .map(|r| r.version),
+        Some(2)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn fifty_racing_claims_have_one_winner() {
+    let (_dir, store) = open_temp();
+    let store = Arc::new(store);
+
+    // Unsynchronised: whatever batches the race produces.
+    let tasks: Vec<_> = (0..50)
+        .map(|_| {
+            let store = store.clone();
+            tokio::spawn(async move { store.claim(record("ex_race", None, 100)).await })
+        })
+        .collect();
+    let mut winners = 0;
+    for t in tasks {
+        match t.await.expect("task").expect("claim") {
+            Claim::Claimed(_) => winners += 1,
+            Claim::Existing(r) => assert_eq!(r.version, 1),
+        }
+    }
+    assert_eq!(winners, 1);
+
+    // All in one batch: the later claims must see the first one's uncommitted insert.
+    let before = store.stats();
+    let results = in_one_batch(&store, 50, |_| {
+        let store = store.clone();
+        async move { store.claim(record("ex_batch", None, 100)).await }
+    })
+    .await;
+    let winners = results
+        .into_iter()
+        .filter(|r| matches!(r, Ok(Claim::Claimed(_))))
+        .count();
+    assert_eq!(winners, 1);
+    let after = store.stats();
+    assert_eq!(after.commits - before.commits, 1, "one batch, one commit");
+    assert_eq!(after.writes - before.writes, 50);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_updates_share_commits_and_a_conflict_spares_the_batch() {
+    let (_dir, store) = open_temp();
+    let store = Arc::new(store);
+    let mut stored = Vec::new();
+    for i in 0..100 {
+        stored.push(claimed(&store, record(&format!("ex_{i:03}"), None, 100)).await);
+    }
+    let before = store.stats();
+
+    // Every tenth update carries a stale version: it alone must fail.
+    let results = in_one_batch(&store, 100, |i| {
+        let store = store.clone();
+        let mut r = stored[i].clone();
+        if i % 10 == 0 {
+            r.version = 0;
+        }
+        r.note = Some(format!("update {i}"));
+        async move { store.update(r).await }
+    })
+    .await;
+    for (i, result) in results.iter().enumerate() {
+        if i % 10 == 0 {
+            assert!(
+                matches!(result, Err(StoreError::Conflict { .. })),
+                "{i}: {result:?}"
+            );
+        } else {
+            assert_eq!(result.as_ref().expect("update").version, 2, "{i}");
+        }
+    }
+    let after = store.stats();
+    assert_eq!(after.writes - before.writes, 100);
+    assert!(
+        after.commits - before.commits < after.writes - before.writes,
+        "no batching: {before:?} -> {after:?}"
+    );
+
+    // Ungated concurrency batches too (not asserted as a number: timing-dependent).
+    let tasks: Vec<_> = (0..100)
+        .map(|i| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                store
+                    .claim(record(&format!("ex_free_{i:03}"), None, 100))
+                    .await
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.expect("task").expect("claim");
+    }
+    let stats = store.stats();
+    eprintln!(
+        "ungated: {} writes in {} commits",
+        stats.writes - after.writes,
+        stats.commits - after.commits
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reopen_sees_every_acknowledged_write_and_the_file_is_locked() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("store.redb");
+    let store = RedbStore::open(&path).expect("opens");
+
+    let err = RedbStore::open(&path)
+        .err()
+        .expect("second open is refused");
+    let msg = err.to_string();
+    assert!(msg.contains(&path.display().to_string()), "{msg}");
+    assert!(msg.contains("already open"), "{msg}");
+
+    let mut expected = Vec::new();
+    for i in 0..20 {
+        let mut r = claimed(&store, record(&format!("ex_{i:02}"), Some("op"), 100)).await;
+        if i % 2 == 0 {
+            r.apply(Event::Start, 3, None).expect("start");
+            r = store.update(r).await.expect("update");
+        }
+        expected.push(r);
+    }
+    drop(store);
+
+    let store = RedbStore::open(&path).expect("reopens once the first store is dropped");
+    for r in &expected {
+        assert_eq!(store.get(&r.id).await.expect("get").as_ref(), Some(r));
+    }
+    let all = store
+        .list(&ListFilter {
+            limit: 100,
+            ..ListFilter::default()
+        })
+        .await
+        .expect("list");
+    assert_eq!(all, expected);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_filters_and_pages_with_the_cursor() {
+    let (_dir, store) = open_temp();
+    let mut want_executing = Vec::new();
+    let mut want_op = Vec::new();
+    let mut all = Vec::new();
+    for i in 0..30 {
+        let op = if i % 3 == 0 {
+            Some("op_a")
+        } else {
+            Some("op_b")
+        };
+        let mut r = record(&format!("ex_{i:02}"), op, 100);
+        if i % 2 == 0 {
+            r = executing(r, Some(("me", 1_000)));
+        }
+        let r = insert(&store, r).await;
+        if i % 2 == 0 {
+            want_executing.push(r.id.clone());
+        }
+        if i % 3 == 0 {
+            want_op.push(r.id.clone());
+        }
+        all.push(r.id.clone());
+    }
+
+    async fn pages(store: &RedbStore, mut filter: ListFilter) -> (Vec<ExecutionId>, usize) {
+        let mut ids = Vec::new();
+        let mut n = 0;
+        loop {
+            let page = store.list(&filter).await.expect("list");
+            assert!(page.len() <= filter.limit);
+            if page.is_empty() {
+                return (ids, n);
+            }
+            n += 1;
+            filter.after = page.last().map(|r| r.id.clone());
+            ids.extend(page.into_iter().map(|r| r.id));
+        }
+    }
+
+    let (ids, n) = pages(
+        &store,
+        ListFilter {
+            status: Some(State::Executing),
+            limit: 4,
+            ..ListFilter::default()
+        },
+    )
+    .await;
+    assert_eq!(ids, want_executing);
+    assert_eq!(n, 4, "15 records in pages of 4");
+
+    let (ids, _) = pages(
+        &store,
+        ListFilter {
+            operation: Some("op_a".into()),
+            limit: 3,
+            ..ListFilter::default()
+        },
+    )
+    .await;
+    assert_eq!(ids, want_op);
+
+    let (ids, _) = pages(
+        &store,
+        ListFilter {
+            status: Some(State::Prepared),
+            operation: Some("op_a".into()),
+            limit: 2,
+            ..ListFilter::default()
+        },
+    )
+    .await;
+    let both: Vec<_> = (0..30)
+        .filter(|i| i % 2 != 0 && i % 3 == 0)
+        .map(|i| id(&format!("ex_{i:02}")))
+        .collect();
+    assert_eq!(ids, both);
+
+    let (ids, _) = pages(
+        &store,
+        ListFilter {
+            limit: 7,
+            ..ListFilter::default()
+        },
+    )
+    .await;
+    assert_eq!(ids, all);
+
+    let none = store.list(&ListFilter::default()).await.expect("list");
+    assert!(none.is_empty(), "limit 0 is an empty page");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_executing_and_lease_renewal() {
+    let (_dir, store) = open_temp();
+    insert(
+        &store,
+        executing(record("ex_a", None, 100), Some(("a", 100))),
+    )
+    .await;
+    insert(
+        &store,
+        executing(record("ex_b", None, 100), Some(("b", 200))),
+    )
+    .await;
+    insert(&store, executing(record("ex_c", None, 100), None)).await;
+    insert(
+        &store,
+        executing(record("ex_d", None, 100), Some(("a", i64::MAX))),
+    )
+    .await;
+    insert(&store, record("ex_e", None, 100)).await;
+
+    let ids = |rs: Vec<Record>| rs.into_iter().map(|r| r.id.0).collect::<Vec<_>>();
+    let stale = store.stale_executing(150, 10).await.expect("stale");
+    assert_eq!(ids(stale), ["ex_a", "ex_c"]);
+    let stale = store.stale_executing(i64::MAX, 10).await.expect("stale");
+    assert_eq!(ids(stale), ["ex_a", "ex_b", "ex_c", "ex_d"]);
+    let stale = store.stale_executing(i64::MAX, 2).await.expect("stale");
+    assert_eq!(stale.len(), 2);
+
+    let before = store.get(&id("ex_a")).await.expect("get").expect("exists");
+    assert_eq!(store.renew_leases("a", 500).await.expect("renew"), 2);
+    let after = store.get(&id("ex_a")).await.expect("get").expect("exists");
+    assert_eq!(after.lease.as_ref().map(|l| l.expires_at_ms), Some(500));
+    assert_eq!(
+        after.version, before.version,
+        "renewal keeps the owner's fencing token"
+    );
+    let stale = store.stale_executing(150, 10).await.expect("stale");
+    assert_eq!(ids(stale), ["ex_c"]);
+    assert_eq!(store.renew_leases("nobody", 500).await.expect("renew"), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gc_deletes_only_expired_finished_records_and_their_index_entries() {
+    let (_dir, store) = open_temp();
+    let mut done = record("ex_done", Some("op"), 10);
+    done.apply(Event::Start, 2, None).expect("start");
+    done.apply(Event::Commit, 3, None).expect("commit");
+    insert(&store, done).await;
+    insert(&store, record("ex_at_now", Some("op"), 20)).await;
+    insert(
+        &store,
+        executing(record("ex_running", Some("op"), 10), None),
+    )
+    .await;
+    insert(&store, record("ex_young", Some("op"), 1_000)).await;
+    insert(&store, record("ex_old_no_op", None, 5)).await;
+    assert_eq!(tables::table_sizes(&store.shared.db), [5, 5, 5, 4]);
+
+    assert_eq!(store.gc(20, 1).await.expect("gc"), 1, "limit is honoured");
+    assert_eq!(store.gc(20, 100).await.expect("gc"), 2);
+    assert_eq!(store.gc(20, 100).await.expect("gc"), 0);
+
+    for gone in ["ex_done", "ex_at_now", "ex_old_no_op"] {
+        assert_eq!(store.get(&id(gone)).await.expect("get"), None, "{gone}");
+    }
+    for kept in ["ex_running", "ex_young"] {
+        assert!(store.get(&id(kept)).await.expect("get").is_some(), "{kept}");
+    }
+    assert_eq!(tables::table_sizes(&store.shared.db), [2, 2, 2, 2]);
+    let by_op = store
+        .list(&ListFilter {
+            operation: Some("op".into()),
+            limit: 10,
+            ..ListFilter::default()
+        })
+        .await
+        .expect("list");
+    assert_eq!(by_op.len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_failed_commit_fails_its_whole_batch_and_every_later_write() {
+    let (_dir, store) = open_temp();
+    let store = Arc::new(store);
+    let kept = claimed(&store, record("ex_kept", None, 100)).await;
+
+    store
+        .shared
+        .test
+        .fail_next_commit
+        .store(true, Ordering::SeqCst);
+    let results = in_one_batch(&store, 5, |i| {
+        let store = store.clone();
+        async move {
+            store
+                .claim(record(&format!("ex_lost_{i}"), None, 100))
+                .await
+        }
+    })
+    .await;
+    for r in results {
+        assert!(matches!(r, Err(StoreError::Backend(_))), "{r:?}");
+    }
+    for i in 0..5 {
+        let lost = store.get(&id(&format!("ex_lost_{i}"))).await.expect("get");
+        assert_eq!(lost, None, "nothing of the failed batch is visible");
+    }
+
+    let err = store.update(kept.clone()).await.unwrap_err();
+    assert!(err.to_string().contains("store failed earlier"), "{err}");
+    assert!(store.gc(i64::MAX, 10).await.is_err());
+    assert!(store.renew_leases("x", 1).await.is_err());
+    assert!(store.claim(record("ex_new", None, 100)).await.is_err());
+    // What was committed before stays readable.
+    assert_eq!(store.get(&kept.id).await.expect("get"), Some(kept));
+
+    let mut store = Arc::into_inner(store).expect("only owner");
+    assert!(store.compact().is_err(), "a failed store does not compact");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compaction_after_gc_keeps_the_store_working() {
+    let (_dir, mut store) = open_temp();
+    for i in 0..200 {
+        let mut r = record(&format!("ex_{i:03}"), None, if i < 190 { 1 } else { 1_000 });
+        r.preview = Some(serde_json::json!({ "pad": "x".repeat(2_000) }));
+        insert(&store, r).await;
+    }
+    assert_eq!(store.gc(10, 1_000).await.expect("gc"), 190);
+    let before = std::fs::metadata(store.path()).expect("file").len();
+    store.compact().expect("compacts");
+    let after = std::fs::metadata(store.path()).expect("file").len();
+    assert!(after <= before, "{before} -> {after}");
+
+    // The writer came back.
+    claimed(&store, record("ex_after", None, 1_000)).await;
+    let all = store
+        .list(&ListFilter {
+            limit: 100,
+            ..ListFilter::default()
+        })
+        .await
+        .expect("list");
+    assert_eq!(all.len(), 11);
+}
+
+const CRASH_CHILD_ENV: &str = "IDEMPROXY_REDB_CRASH_CHILD";
+
+/// Not a test by itself: the body of the child process `a_killed_process_loses_no_acked_write`
+/// starts. It writes until it is killed, printing each id once its claim is acknowledged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_child() {
+    let Some(path) = std::env::var_os(CRASH_CHILD_ENV) else {
+        return;
+    };
+    let store = Arc::new(RedbStore::open(std::path::Path::new(&path)).expect("child opens"));
+    let tasks: Vec<_> = (0..8)
+        .map(|task| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                for n in 0..100_000 {
+                    let id = format!("ex_{task}_{n:06}");
+                    claimed(&store, record(&id, None, 100)).await;
+                    println!("acked {id}");
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.expect("task");
+    }
+}
+
+#[test]
+fn a_killed_process_loses_no_acked_write() {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("crash.redb");
+    let mut child = Command::new(std::env::current_exe().expect("test binary"))
+        .args(["--exact", "store::redb::tests::crash_child", "--nocapture"])
+        .env(CRASH_CHILD_ENV, &path)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("child starts");
+    let stdout = child.stdout.take().expect("piped");
+    let mut lines = BufReader::new(stdout).lines();
+    let mut acked = Vec::new();
+    while acked.len() < 300 {
+        let Some(line) = lines.next() else { break };
+        if let Some(id) = line.expect("child output").strip_prefix("acked ") {
+            acked.push(id.to_string());
+        }
+    }
+    // SIGKILL: no destructor, no clean shutdown, writes in flight. The pipe stays open
+    // until then so the child cannot stop on its own (a closed stdout would make it panic).
+    child.kill().expect("kill");
+    child.wait().expect("reap");
+    drop(lines);
+    assert!(
+        acked.len() >= 300,
+        "child stopped early after {} acks",
+        acked.len()
+    );
+
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let store = RedbStore::open(&path).expect("reopens after a crash");
+    rt.block_on(async {
+        for id in &acked {
+            let found = store.get(&ExecutionId(id.clone())).await.expect("get");
+            assert_eq!(found.map(|r| r.version), Some(1), "{id} was acked but lost");
+        }
+    });
+    let [records, status, expiry, _] = tables::table_sizes(&store.shared.db);
+    assert!(records >= acked.len() as u64);
+    assert_eq!(
+        (records, records),
+        (status, expiry),
+        "indexes match records"
+    );
+}
