@@ -64,13 +64,20 @@ pub async fn start(cfg: Config, store: Arc<dyn Store>) -> anyhow::Result<Running
     // A redb file is locked by one process: every `executing` record in it belongs to a
     // previous run that died, whatever its lease says. A shared store waits for leases.
     let before = if exclusive { i64::MAX } else { now_ms() };
-    let moved = recovery::recover_stale(store.as_ref(), before).await.context("recovering stale executions")?;
+    let moved = recovery::recover_stale(store.as_ref(), before)
+        .await
+        .context("recovering stale executions")?;
     if moved > 0 {
-        tracing::warn!(count = moved, "executions left by a stopped instance are now outcome_unknown");
+        tracing::warn!(
+            count = moved,
+            "executions left by a stopped instance are now outcome_unknown"
+        );
     }
     let runtime = Runtime::new(cfg).context("building upstream clients")?;
     let proxy = Proxy::new(runtime, store.clone());
-    let listener = TcpListener::bind(listen).await.with_context(|| format!("binding the proxy listener {listen}"))?;
+    let listener = TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("binding the proxy listener {listen}"))?;
     let addr = listener.local_addr()?;
     let (tx, mut rx) = tokio::sync::watch::channel(false);
     let keeper = recovery::spawn_lease_keeper(store.clone(), proxy.owner.clone(), lease);
@@ -122,7 +129,10 @@ fn reload(proxy: &Proxy, source: &std::path::Path) {
         Ok(cfg) => {
             let old = proxy.runtime();
             if cfg.listen != old.config.listen {
-                tracing::warn!("listen address changes need a restart; keeping {}", old.config.listen);
+                tracing::warn!(
+                    "listen address changes need a restart; keeping {}",
+                    old.config.listen
+                );
             }
             match Runtime::new(cfg) {
                 Ok(rt) => {
@@ -137,7 +147,11 @@ fn reload(proxy: &Proxy, source: &std::path::Path) {
 }
 
 /// `idemproxy records list`.
-pub async fn records_list(cfg: &Config, status: Option<State>, limit: usize) -> anyhow::Result<Vec<Record>> {
+pub async fn records_list(
+    cfg: &Config,
+    status: Option<State>,
+    limit: usize,
+) -> anyhow::Result<Vec<Record>> {
     let store = open_store(cfg).await?;
     Ok(store
         .list(&ListFilter {
@@ -159,20 +173,42 @@ pub async fn records_show(cfg: &Config, id: &str) -> anyhow::Result<Record> {
 
 /// `idemproxy resolve ID --as committed|not-committed`: an operator's decision on an
 /// `outcome_unknown` record, validated by the state machine.
-pub async fn resolve(store: &dyn Store, id: &str, committed: bool, result: Option<StoredResponse>, by: &str) -> anyhow::Result<Record> {
+pub async fn resolve(
+    store: &dyn Store,
+    id: &str,
+    committed: bool,
+    result: Option<StoredResponse>,
+    by: &str,
+) -> anyhow::Result<Record> {
     let id = ExecutionId(id.to_string());
     let Some(mut r) = store.get(&id).await? else {
         bail!("no execution record {id}");
     };
-    let event = if committed { Event::ResolveCommitted } else { Event::ResolveNotCommitted };
-    let note = format!("resolved by {by} as {}", if committed { "committed" } else { "not committed" });
-    r.apply(event, now_ms(), Some(note)).map_err(|e| anyhow::anyhow!("cannot resolve {id}: {e}"))?;
+    let event = if committed {
+        Event::ResolveCommitted
+    } else {
+        Event::ResolveNotCommitted
+    };
+    let note = format!(
+        "resolved by {by} as {}",
+        if committed {
+            "committed"
+        } else {
+            "not committed"
+        }
+    );
+    r.apply(event, now_ms(), Some(note))
+        .map_err(|e| anyhow::anyhow!("cannot resolve {id}: {e}"))?;
     if committed {
-        r.response = Some(result.unwrap_or_else(|| StoredResponse {
-            status: 200,
-            headers: vec![("content-type".into(), b"application/json".to_vec())],
-            body: serde_json::to_vec(&serde_json::json!({ "resolved": "committed", "execution_id": id.as_str() }))
+        r.response = Some(result.unwrap_or_else(|| {
+            StoredResponse {
+                status: 200,
+                headers: vec![("content-type".into(), b"application/json".to_vec())],
+                body: serde_json::to_vec(
+                    &serde_json::json!({ "resolved": "committed", "execution_id": id.as_str() }),
+                )
                 .expect("literal JSON serializes"),
+            }
         }));
     }
     Ok(store.update(r).await?)

@@ -9,7 +9,11 @@ use idemproxy::config::{Config, DEFAULT_PATH};
 use idemproxy::policy::state::State;
 
 #[derive(Parser)]
-#[command(name = "idemproxy", version, about = "Forward idempotency proxy for AI agents calling real APIs")]
+#[command(
+    name = "idemproxy",
+    version,
+    about = "Forward idempotency proxy for AI agents calling real APIs"
+)]
 struct Cli {
     /// Log format.
     #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text, env = "IDEMPROXY_LOG_FORMAT")]
@@ -84,7 +88,10 @@ enum Outcome {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.log_format);
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: cannot start the async runtime: {e}");
@@ -131,27 +138,46 @@ async fn run(cmd: Command) -> ExitCode {
                             return ExitCode::from(2);
                         }
                     };
-                    idemproxy::app::records_list(&cfg, status, limit).await.map(|records| {
-                        println!("{:<28} {:<24} {:<28} {:>3} {:>8}", "EXECUTION_ID", "STATE", "UPSTREAM/ROUTE", "TRY", "STATUS");
-                        for r in records {
-                            let status = r.response.as_ref().map(|s| s.status.to_string()).unwrap_or_else(|| "-".into());
+                    idemproxy::app::records_list(&cfg, status, limit)
+                        .await
+                        .map(|records| {
                             println!(
                                 "{:<28} {:<24} {:<28} {:>3} {:>8}",
-                                r.id,
-                                r.state(),
-                                format!("{}/{}", r.upstream, r.route),
-                                r.attempts,
-                                status
+                                "EXECUTION_ID", "STATE", "UPSTREAM/ROUTE", "TRY", "STATUS"
                             );
-                        }
+                            for r in records {
+                                let status = r
+                                    .response
+                                    .as_ref()
+                                    .map(|s| s.status.to_string())
+                                    .unwrap_or_else(|| "-".into());
+                                println!(
+                                    "{:<28} {:<24} {:<28} {:>3} {:>8}",
+                                    r.id,
+                                    r.state(),
+                                    format!("{}/{}", r.upstream, r.route),
+                                    r.attempts,
+                                    status
+                                );
+                            }
+                        })
+                }
+                RecordsCommand::Show { id } => {
+                    idemproxy::app::records_show(&cfg, &id).await.map(|r| {
+                        println!(
+                            "{}",
+                            serde_json::to_string_pretty(&r).expect("records serialize")
+                        );
                     })
                 }
-                RecordsCommand::Show { id } => idemproxy::app::records_show(&cfg, &id).await.map(|r| {
-                    println!("{}", serde_json::to_string_pretty(&r).expect("records serialize"));
-                }),
             }
         }
-        Command::Resolve { id, outcome, result, config } => {
+        Command::Resolve {
+            id,
+            outcome,
+            result,
+            config,
+        } => {
             let cfg = match load(&config) {
                 Ok(c) => c,
                 Err(code) => return code,
@@ -166,14 +192,23 @@ async fn run(cmd: Command) -> ExitCode {
             async {
                 let store = idemproxy::app::open_store(&cfg).await?;
                 let by = std::env::var("USER").unwrap_or_else(|_| "operator".into());
-                let r = idemproxy::app::resolve(store.as_ref(), &id, matches!(outcome, Outcome::Committed), stored, &format!("cli:{by}")).await?;
+                let r = idemproxy::app::resolve(
+                    store.as_ref(),
+                    &id,
+                    matches!(outcome, Outcome::Committed),
+                    stored,
+                    &format!("cli:{by}"),
+                )
+                .await?;
                 println!("{} is now {}", r.id, r.state());
                 Ok(())
             }
             .await
         }
         Command::Gc { config } => match load(&config) {
-            Ok(cfg) => idemproxy::app::gc(&cfg).await.map(|n| println!("removed {n} records past retention")),
+            Ok(cfg) => idemproxy::app::gc(&cfg)
+                .await
+                .map(|n| println!("removed {n} records past retention")),
             Err(code) => return code,
         },
     };
@@ -198,7 +233,11 @@ fn read_result(path: &std::path::Path) -> anyhow::Result<idemproxy::store::Store
     }
     let text = std::fs::read_to_string(path)?;
     let f: ResultFile = serde_json::from_str(&text)?;
-    let mut headers: Vec<(String, Vec<u8>)> = f.headers.into_iter().map(|(n, v)| (n.to_ascii_lowercase(), v.into_bytes())).collect();
+    let mut headers: Vec<(String, Vec<u8>)> = f
+        .headers
+        .into_iter()
+        .map(|(n, v)| (n.to_ascii_lowercase(), v.into_bytes()))
+        .collect();
     if !headers.iter().any(|(n, _)| n == "content-type") {
         headers.push(("content-type".into(), b"application/json".to_vec()));
     }
@@ -211,8 +250,11 @@ fn read_result(path: &std::path::Path) -> anyhow::Result<idemproxy::store::Store
 
 fn init_logging(format: LogFormat) {
     use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_env("IDEMPROXY_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let filter =
+        EnvFilter::try_from_env("IDEMPROXY_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().init(),

@@ -24,17 +24,39 @@ async fn duplicate_post_replays_with_one_commit() {
     let (_dir, ds, proxy) = setup().await;
     let c = client();
     let url = proxy.url("/mail/send");
-    let first = post(&c, &url, &[AUTH_A, ("idempotency-key", "k-1")], r#"{"to":"a@x","subject":"hi"}"#).await;
+    let first = post(
+        &c,
+        &url,
+        &[AUTH_A, ("idempotency-key", "k-1")],
+        r#"{"to":"a@x","subject":"hi"}"#,
+    )
+    .await;
     assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
     assert_eq!(first.header("idempotent-replayed"), None);
-    let exec_id = first.header("idempotency-execution-id").expect("execution id").to_string();
+    let exec_id = first
+        .header("idempotency-execution-id")
+        .expect("execution id")
+        .to_string();
     for _ in 0..3 {
-        let again = post(&c, &url, &[AUTH_A, ("idempotency-key", "k-1")], r#"{"to":"a@x","subject":"hi"}"#).await;
+        let again = post(
+            &c,
+            &url,
+            &[AUTH_A, ("idempotency-key", "k-1")],
+            r#"{"to":"a@x","subject":"hi"}"#,
+        )
+        .await;
         assert_eq!(again.status, StatusCode::CREATED);
         assert_eq!(again.header("idempotent-replayed"), Some("true"));
-        assert_eq!(again.header("idempotency-execution-id"), Some(exec_id.as_str()));
+        assert_eq!(
+            again.header("idempotency-execution-id"),
+            Some(exec_id.as_str())
+        );
         assert_eq!(again.body, first.body, "replay returns the original body");
-        assert_eq!(again.header("x-request-id"), first.header("x-request-id"), "stored headers replayed");
+        assert_eq!(
+            again.header("x-request-id"),
+            first.header("x-request-id"),
+            "stored headers replayed"
+        );
     }
     assert_eq!(ds.commits(), 1);
     // The downstream saw exactly one key header, the execution id, not the client's key.
@@ -48,15 +70,36 @@ async fn json_spelling_does_not_change_the_hash_but_values_do() {
     let c = client();
     let url = proxy.url("/mail/send");
     let k = [AUTH_A, ("idempotency-key", "k-json")];
-    let a = post(&c, &url, &k, r#"{"to":"a@x","amount":1.0,"meta":{"b":2,"a":1},"client_ts":1}"#).await;
+    let a = post(
+        &c,
+        &url,
+        &k,
+        r#"{"to":"a@x","amount":1.0,"meta":{"b":2,"a":1},"client_ts":1}"#,
+    )
+    .await;
     assert_eq!(a.status, StatusCode::CREATED);
-    let b = post(&c, &url, &k, "{ \"meta\" : {\"a\":1, \"b\":2},\n \"amount\": 1, \"to\":\"a@x\", \"client_ts\": 99 }").await;
+    let b = post(
+        &c,
+        &url,
+        &k,
+        "{ \"meta\" : {\"a\":1, \"b\":2},\n \"amount\": 1, \"to\":\"a@x\", \"client_ts\": 99 }",
+    )
+    .await;
     assert_eq!(b.status, StatusCode::CREATED, "{b:?}");
     assert_eq!(b.header("idempotent-replayed"), Some("true"));
-    let changed = post(&c, &url, &k, r#"{"to":"a@x","amount":2,"meta":{"b":2,"a":1}}"#).await;
+    let changed = post(
+        &c,
+        &url,
+        &k,
+        r#"{"to":"a@x","amount":2,"meta":{"b":2,"a":1}}"#,
+    )
+    .await;
     assert_eq!(changed.status, StatusCode::UNPROCESSABLE_ENTITY);
     assert_eq!(changed.problem_type(), "urn:idemproxy:problem:key-mismatch");
-    assert_eq!(changed.json()["execution_id"].as_str(), a.header("idempotency-execution-id"));
+    assert_eq!(
+        changed.json()["execution_id"].as_str(),
+        a.header("idempotency-execution-id")
+    );
     assert_eq!(ds.commits(), 1);
 }
 
@@ -70,7 +113,13 @@ async fn twenty_concurrent_duplicates_make_one_commit() {
     for _ in 0..20 {
         let (c, url) = (c.clone(), url.clone());
         tasks.push(tokio::spawn(async move {
-            post(&c, &url, &[AUTH_A, ("idempotency-key", "k-race")], r#"{"to":"r@x"}"#).await
+            post(
+                &c,
+                &url,
+                &[AUTH_A, ("idempotency-key", "k-race")],
+                r#"{"to":"r@x"}"#,
+            )
+            .await
         }));
     }
     let mut created = 0;
@@ -90,7 +139,13 @@ async fn twenty_concurrent_duplicates_make_one_commit() {
     assert_eq!(created + in_flight, 20);
     assert!(created >= 1);
     assert_eq!(ds.commits(), 1, "exactly one downstream commit");
-    let after = post(&c, &url, &[AUTH_A, ("idempotency-key", "k-race")], r#"{"to":"r@x"}"#).await;
+    let after = post(
+        &c,
+        &url,
+        &[AUTH_A, ("idempotency-key", "k-race")],
+        r#"{"to":"r@x"}"#,
+    )
+    .await;
     assert_eq!(after.header("idempotent-replayed"), Some("true"));
 }
 
@@ -104,7 +159,13 @@ async fn concurrent_wait_holds_duplicates_and_replays() {
     for _ in 0..10 {
         let (c, url) = (c.clone(), url.clone());
         tasks.push(tokio::spawn(async move {
-            post(&c, &url, &[AUTH_A, ("idempotency-key", "k-wait")], r#"{"to":"w@x"}"#).await
+            post(
+                &c,
+                &url,
+                &[AUTH_A, ("idempotency-key", "k-wait")],
+                r#"{"to":"w@x"}"#,
+            )
+            .await
         }));
     }
     let mut bodies = Vec::new();
@@ -113,7 +174,10 @@ async fn concurrent_wait_holds_duplicates_and_replays() {
         assert_eq!(r.status, StatusCode::CREATED, "{r:?}");
         bodies.push(r.body);
     }
-    assert!(bodies.windows(2).all(|w| w[0] == w[1]), "every duplicate got the same result");
+    assert!(
+        bodies.windows(2).all(|w| w[0] == w[1]),
+        "every duplicate got the same result"
+    );
     assert_eq!(ds.commits(), 1);
 }
 
@@ -122,15 +186,44 @@ async fn same_key_under_two_credentials_is_two_executions() {
     let (_dir, ds, proxy) = setup().await;
     let c = client();
     let url = proxy.url("/mail/send");
-    let a = post(&c, &url, &[AUTH_A, ("idempotency-key", "shared")], r#"{"to":"a@x"}"#).await;
-    let b = post(&c, &url, &[AUTH_B, ("idempotency-key", "shared")], r#"{"to":"b@x"}"#).await;
+    let a = post(
+        &c,
+        &url,
+        &[AUTH_A, ("idempotency-key", "shared")],
+        r#"{"to":"a@x"}"#,
+    )
+    .await;
+    let b = post(
+        &c,
+        &url,
+        &[AUTH_B, ("idempotency-key", "shared")],
+        r#"{"to":"b@x"}"#,
+    )
+    .await;
     assert_eq!(a.status, StatusCode::CREATED);
-    assert_eq!(b.status, StatusCode::CREATED, "different args under another tenant is not a mismatch");
-    assert_eq!(b.header("idempotent-replayed"), None, "no cross-tenant replay");
-    assert_ne!(a.header("idempotency-execution-id"), b.header("idempotency-execution-id"));
+    assert_eq!(
+        b.status,
+        StatusCode::CREATED,
+        "different args under another tenant is not a mismatch"
+    );
+    assert_eq!(
+        b.header("idempotent-replayed"),
+        None,
+        "no cross-tenant replay"
+    );
+    assert_ne!(
+        a.header("idempotency-execution-id"),
+        b.header("idempotency-execution-id")
+    );
     assert_ne!(a.body, b.body);
     assert_eq!(ds.commits(), 2);
-    let a2 = post(&c, &url, &[AUTH_A, ("idempotency-key", "shared")], r#"{"to":"a@x"}"#).await;
+    let a2 = post(
+        &c,
+        &url,
+        &[AUTH_A, ("idempotency-key", "shared")],
+        r#"{"to":"a@x"}"#,
+    )
+    .await;
     assert_eq!(a2.body, a.body);
 }
 
@@ -140,7 +233,12 @@ async fn derived_keys_from_trusted_headers() {
     let c = client();
     let url = proxy.url("/mail/send");
     let call = |call_id: &'static str| {
-        [AUTH_A, ("x-operation-id", "op_77"), ("x-model-round", "round_3"), ("x-tool-call-id", call_id)]
+        [
+            AUTH_A,
+            ("x-operation-id", "op_77"),
+            ("x-model-round", "round_3"),
+            ("x-tool-call-id", call_id),
+        ]
     };
     let first = post(&c, &url, &call("call_123"), r#"{"to":"a@x"}"#).await;
     assert_eq!(first.status, StatusCode::CREATED);
@@ -152,7 +250,13 @@ async fn derived_keys_from_trusted_headers() {
     assert_eq!(parallel.header("idempotent-replayed"), None);
     assert_eq!(ds.commits(), 2);
     // Missing one of the derive_from headers and no key: key-missing, nothing sent.
-    let partial = post(&c, &url, &[AUTH_A, ("x-operation-id", "op_77")], r#"{"to":"a@x"}"#).await;
+    let partial = post(
+        &c,
+        &url,
+        &[AUTH_A, ("x-operation-id", "op_77")],
+        r#"{"to":"a@x"}"#,
+    )
+    .await;
     assert_eq!(partial.status, StatusCode::BAD_REQUEST);
     assert_eq!(partial.problem_type(), "urn:idemproxy:problem:key-missing");
     assert_eq!(ds.commits(), 2);
@@ -186,10 +290,23 @@ async fn read_only_routes_pass_through_unrecorded_with_retries() {
     let proxy = ProxyProc::start(dir.path(), &config(dir.path(), &ds.url()));
     let c = client();
     // Commit one message, then read it through the read-only route.
-    let sent = post(&c, &proxy.url("/mail/send"), &[("idempotency-key", "k-ro")], r#"{"to":"a@x"}"#).await;
+    let sent = post(
+        &c,
+        &proxy.url("/mail/send"),
+        &[("idempotency-key", "k-ro")],
+        r#"{"to":"a@x"}"#,
+    )
+    .await;
     let id = sent.json()["id"].as_str().expect("message id").to_string();
     for _ in 0..3 {
-        let got = send(&c, Method::GET, &proxy.url(&format!("/mail/messages/{id}")), &[], "").await;
+        let got = send(
+            &c,
+            Method::GET,
+            &proxy.url(&format!("/mail/messages/{id}")),
+            &[],
+            "",
+        )
+        .await;
         assert_eq!(got.status, StatusCode::OK);
         assert_eq!(got.header("idempotent-replayed"), None);
     }
@@ -199,7 +316,14 @@ async fn read_only_routes_pass_through_unrecorded_with_retries() {
         assert_eq!(r.status, StatusCode::OK, "{r:?}");
     }
     // Unmatched GET under the mount is read-only by method.
-    let w = send(&c, Method::GET, &proxy.url("/mail/weather?city=Oslo"), &[], "").await;
+    let w = send(
+        &c,
+        Method::GET,
+        &proxy.url("/mail/weather?city=Oslo"),
+        &[],
+        "",
+    )
+    .await;
     assert_eq!(w.status, StatusCode::OK);
     assert_eq!(ds.commits(), 1);
     proxy.terminate();
@@ -215,17 +339,28 @@ async fn hop_by_hop_headers_and_forwarding_headers() {
     let r = post(
         &c,
         &proxy.url("/mail/echo/x?b=2&a=1"),
-        &[("idempotency-key", "client-key"), ("connection", "x-hop"), ("x-hop", "secret"), ("x-custom", "kept")],
+        &[
+            ("idempotency-key", "client-key"),
+            ("connection", "x-hop"),
+            ("x-hop", "secret"),
+            ("x-custom", "kept"),
+        ],
         r#"{"a":1}"#,
     )
     .await;
     assert_eq!(r.status, StatusCode::OK, "{r:?}");
     let echo = r.json();
     let h = &echo["headers"];
-    assert!(h.get("x-hop").is_none(), "connection-named header stripped: {h}");
+    assert!(
+        h.get("x-hop").is_none(),
+        "connection-named header stripped: {h}"
+    );
     assert_eq!(h["x-custom"][0], "kept");
     assert_eq!(h["idempotency-key"].as_array().map(|a| a.len()), Some(1));
-    assert_ne!(h["idempotency-key"][0], "client-key", "the client's key is not forwarded as is");
+    assert_ne!(
+        h["idempotency-key"][0], "client-key",
+        "the client's key is not forwarded as is"
+    );
     assert_eq!(h["host"][0].as_str(), Some(ds.addr().to_string().as_str()));
     assert_eq!(h["x-forwarded-for"][0], "127.0.0.1");
     assert_eq!(h["x-forwarded-proto"][0], "http");
@@ -236,9 +371,21 @@ async fn hop_by_hop_headers_and_forwarding_headers() {
 async fn http2_clients_are_served() {
     let (_dir, ds, proxy) = setup().await;
     let c = h2_client();
-    let r = post(&c, &proxy.url("/mail/send"), &[("idempotency-key", "k-h2")], "{}").await;
+    let r = post(
+        &c,
+        &proxy.url("/mail/send"),
+        &[("idempotency-key", "k-h2")],
+        "{}",
+    )
+    .await;
     assert_eq!(r.status, StatusCode::CREATED);
-    let again = post(&c, &proxy.url("/mail/send"), &[("idempotency-key", "k-h2")], "{}").await;
+    let again = post(
+        &c,
+        &proxy.url("/mail/send"),
+        &[("idempotency-key", "k-h2")],
+        "{}",
+    )
+    .await;
     assert_eq!(again.header("idempotent-replayed"), Some("true"));
     assert_eq!(ds.commits(), 1);
 }
@@ -251,7 +398,10 @@ async fn connect_failure_is_failed_before_commit_and_may_run_again() {
     for _ in 0..2 {
         let r = post(&c, &url, &[("idempotency-key", "k-dead")], "{}").await;
         assert_eq!(r.status, StatusCode::BAD_GATEWAY, "{r:?}");
-        assert_eq!(r.problem_type(), "urn:idemproxy:problem:upstream-unavailable");
+        assert_eq!(
+            r.problem_type(),
+            "urn:idemproxy:problem:upstream-unavailable"
+        );
         assert_eq!(r.header("idempotency-status"), Some("failed_before_commit"));
     }
 }
@@ -267,7 +417,10 @@ async fn lost_connection_after_send_is_outcome_unknown_and_never_resent() {
     assert_eq!(r.header("idempotency-status"), Some("outcome_unknown"));
     let retry = post(&c, &url, &[("idempotency-key", "k-drop")], "{}").await;
     assert_eq!(retry.status, StatusCode::CONFLICT);
-    assert_eq!(retry.problem_type(), "urn:idemproxy:problem:outcome-unknown");
+    assert_eq!(
+        retry.problem_type(),
+        "urn:idemproxy:problem:outcome-unknown"
+    );
     assert_eq!(ds.commits(), 1);
     // Timeout after the downstream committed: 504, and also never re-sent.
     let url = proxy.url("/mail/timeout-after-commit/send");
@@ -308,22 +461,53 @@ async fn committed_results_survive_sigterm_and_sigkill_restarts() {
     let yaml = config(dir.path(), &ds.url());
     let c = client();
     let proxy = ProxyProc::start(dir.path(), &yaml);
-    let first = post(&c, &proxy.url("/mail/send"), &[("idempotency-key", "k-durable")], r#"{"n":1}"#).await;
+    let first = post(
+        &c,
+        &proxy.url("/mail/send"),
+        &[("idempotency-key", "k-durable")],
+        r#"{"n":1}"#,
+    )
+    .await;
     assert_eq!(first.status, StatusCode::CREATED);
     assert_eq!(proxy.terminate().code(), Some(0), "SIGTERM exits cleanly");
 
     let proxy = ProxyProc::start(dir.path(), &yaml);
-    let again = post(&c, &proxy.url("/mail/send"), &[("idempotency-key", "k-durable")], r#"{"n":1}"#).await;
+    let again = post(
+        &c,
+        &proxy.url("/mail/send"),
+        &[("idempotency-key", "k-durable")],
+        r#"{"n":1}"#,
+    )
+    .await;
     assert_eq!(again.header("idempotent-replayed"), Some("true"));
     assert_eq!(again.body, first.body);
-    let second = post(&c, &proxy.url("/mail/send"), &[("idempotency-key", "k-durable-2")], r#"{"n":2}"#).await;
+    let second = post(
+        &c,
+        &proxy.url("/mail/send"),
+        &[("idempotency-key", "k-durable-2")],
+        r#"{"n":2}"#,
+    )
+    .await;
     assert_eq!(second.status, StatusCode::CREATED);
     proxy.kill();
 
     let proxy = ProxyProc::start(dir.path(), &yaml);
-    for (k, body, want) in [("k-durable", r#"{"n":1}"#, &first.body), ("k-durable-2", r#"{"n":2}"#, &second.body)] {
-        let r = post(&c, &proxy.url("/mail/send"), &[("idempotency-key", k)], body).await;
-        assert_eq!(r.header("idempotent-replayed"), Some("true"), "{k} replayed after SIGKILL");
+    for (k, body, want) in [
+        ("k-durable", r#"{"n":1}"#, &first.body),
+        ("k-durable-2", r#"{"n":2}"#, &second.body),
+    ] {
+        let r = post(
+            &c,
+            &proxy.url("/mail/send"),
+            &[("idempotency-key", k)],
+            body,
+        )
+        .await;
+        assert_eq!(
+            r.header("idempotent-replayed"),
+            Some("true"),
+            "{k} replayed after SIGKILL"
+        );
         assert_eq!(&r.body, want);
     }
     assert_eq!(ds.commits(), 2);
@@ -352,24 +536,39 @@ async fn sigkill_while_downstream_works_never_sends_twice() {
     // Wait until the downstream has the request, then crash the proxy.
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     while ds.hits_on("/send") == 0 {
-        assert!(std::time::Instant::now() < deadline, "request never reached the downstream");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "request never reached the downstream"
+        );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     proxy.kill();
-    assert!(inflight.await.expect("task").is_err(), "the client lost its connection");
+    assert!(
+        inflight.await.expect("task").is_err(),
+        "the client lost its connection"
+    );
     tokio::time::sleep(Duration::from_millis(1000)).await;
     assert_eq!(ds.commits(), 1, "the downstream finished the first attempt");
 
     let proxy = ProxyProc::start(dir.path(), &yaml);
     for _ in 0..3 {
-        let r = post(&c, &proxy.url("/mail/send"), &[("idempotency-key", "k-crash")], "{}").await;
+        let r = post(
+            &c,
+            &proxy.url("/mail/send"),
+            &[("idempotency-key", "k-crash")],
+            "{}",
+        )
+        .await;
         assert_eq!(r.status, StatusCode::CONFLICT, "{r:?}");
         assert_eq!(r.problem_type(), "urn:idemproxy:problem:outcome-unknown");
     }
     assert_eq!(ds.hits_on("/send"), 1, "never sent a second time");
     proxy.terminate();
     let rows = records(&dir.path().join("idemproxy.yaml"));
-    assert!(rows.iter().any(|r| r.contains("outcome_unknown")), "{rows:?}");
+    assert!(
+        rows.iter().any(|r| r.contains("outcome_unknown")),
+        "{rows:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

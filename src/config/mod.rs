@@ -259,7 +259,10 @@ impl Config {
                 let _ = writeln!(out, "store  redb {}", path.display());
             }
             StoreBackend::Postgres { url_env, schema } => {
-                let _ = writeln!(out, "store  postgres (url from ${url_env}, schema {schema})");
+                let _ = writeln!(
+                    out,
+                    "store  postgres (url from ${url_env}, schema {schema})"
+                );
             }
         }
         let _ = writeln!(
@@ -284,7 +287,11 @@ impl Config {
                 if r.class == Class::SideEffect {
                     details.push(format!("tool={}:{}", r.name, r.tool_version));
                     details.push(match &r.downstream_key {
-                        Some(k) => format!("downstream_key={}{}", k.header, if k.replays { "(replays)" } else { "" }),
+                        Some(k) => format!(
+                            "downstream_key={}{}",
+                            k.header,
+                            if k.replays { "(replays)" } else { "" }
+                        ),
                         None => "downstream_key=none".into(),
                     });
                     details.push(format!("on_5xx={:?}", r.on_5xx).to_lowercase());
@@ -295,9 +302,16 @@ impl Config {
                     if r.approval.as_ref().is_some_and(|a| a.required) {
                         details.push("approval".into());
                     }
-                    details.push(format!("retention={}", humantime::format_duration(r.retention)));
+                    details.push(format!(
+                        "retention={}",
+                        humantime::format_duration(r.retention)
+                    ));
                 } else if r.retry.attempts > 1 {
-                    details.push(format!("retry={}x{}ms", r.retry.attempts, r.retry.backoff.as_millis()));
+                    details.push(format!(
+                        "retry={}x{}ms",
+                        r.retry.attempts,
+                        r.retry.backoff.as_millis()
+                    ));
                 }
                 let _ = writeln!(
                     out,

@@ -72,7 +72,10 @@ impl Validator {
         match s.parse() {
             Ok(a) => a,
             Err(_) => {
-                self.err(path, format!("expected a socket address like 127.0.0.1:8080, found `{s}`"));
+                self.err(
+                    path,
+                    format!("expected a socket address like 127.0.0.1:8080, found `{s}`"),
+                );
                 default.parse().expect("default addresses are valid")
             }
         }
@@ -88,7 +91,10 @@ impl Validator {
                     default
                 }
                 Err(e) => {
-                    self.err(path, format!("expected a duration like 30s, 500ms or 24h, found `{s}` ({e})"));
+                    self.err(
+                        path,
+                        format!("expected a duration like 30s, 500ms or 24h, found `{s}` ({e})"),
+                    );
                     default
                 }
             },
@@ -112,13 +118,22 @@ impl Validator {
             .collect()
     }
 
-    fn one_of<T: Copy>(&mut self, path: &str, v: Option<&str>, default: T, options: &[(&str, T)]) -> T {
+    fn one_of<T: Copy>(
+        &mut self,
+        path: &str,
+        v: Option<&str>,
+        default: T,
+        options: &[(&str, T)],
+    ) -> T {
         let Some(s) = v else { return default };
         match options.iter().find(|(name, _)| *name == s) {
             Some((_, t)) => *t,
             None => {
                 let names: Vec<_> = options.iter().map(|(n, _)| *n).collect();
-                self.err(path, format!("expected one of {}, found `{s}`", names.join(" | ")));
+                self.err(
+                    path,
+                    format!("expected one of {}, found `{s}`", names.join(" | ")),
+                );
                 default
             }
         }
@@ -134,21 +149,38 @@ impl Validator {
         let listen = self.addr("listen", raw.listen.as_deref(), DEFAULT_LISTEN);
         let admin = raw.admin.map(|a| AdminConfig {
             listen: self.addr("admin.listen", a.listen.as_deref(), "127.0.0.1:9090"),
-            token_env: a.token_env.unwrap_or_else(|| "IDEMPROXY_ADMIN_TOKEN".into()),
+            token_env: a
+                .token_env
+                .unwrap_or_else(|| "IDEMPROXY_ADMIN_TOKEN".into()),
         });
         let store = self.store(raw.store);
         let limits = self.limits(raw.limits);
         let identity = self.identity(raw.identity);
         let timeouts = Timeouts {
-            connect: self.duration("timeouts.connect", raw.timeouts.connect.as_deref(), Duration::from_secs(5)),
-            request: self.duration("timeouts.request", raw.timeouts.request.as_deref(), Duration::from_secs(30)),
-            wait: self.duration("timeouts.wait", raw.timeouts.wait.as_deref(), Duration::from_secs(30)),
+            connect: self.duration(
+                "timeouts.connect",
+                raw.timeouts.connect.as_deref(),
+                Duration::from_secs(5),
+            ),
+            request: self.duration(
+                "timeouts.request",
+                raw.timeouts.request.as_deref(),
+                Duration::from_secs(30),
+            ),
+            wait: self.duration(
+                "timeouts.wait",
+                raw.timeouts.wait.as_deref(),
+                Duration::from_secs(30),
+            ),
         };
         let unmatched = self.one_of(
             "unmatched",
             raw.unmatched.as_deref(),
             Unmatched::ByMethod,
-            &[("by_method", Unmatched::ByMethod), ("reject", Unmatched::Reject)],
+            &[
+                ("by_method", Unmatched::ByMethod),
+                ("reject", Unmatched::Reject),
+            ],
         );
         let mut upstreams = Vec::new();
         let mut names = std::collections::HashSet::new();
@@ -156,7 +188,10 @@ impl Validator {
             let path = format!("upstreams[{i}]");
             if let Some(up) = self.upstream(&path, u, &store, &timeouts) {
                 if !names.insert(up.name.clone()) {
-                    self.err(format!("{path}.name"), format!("duplicate upstream name `{}`", up.name));
+                    self.err(
+                        format!("{path}.name"),
+                        format!("duplicate upstream name `{}`", up.name),
+                    );
                 }
                 upstreams.push(up);
             }
@@ -201,10 +236,17 @@ impl Validator {
                 }
                 let schema = s.schema.unwrap_or_else(|| "idemproxy".into());
                 if schema.is_empty()
-                    || !schema.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+                    || !schema
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || c == '_')
                     || schema.starts_with(|c: char| c.is_ascii_digit())
                 {
-                    self.err("store.schema", format!("expected an SQL identifier (letters, digits, _), found `{schema}`"));
+                    self.err(
+                        "store.schema",
+                        format!(
+                            "expected an SQL identifier (letters, digits, _), found `{schema}`"
+                        ),
+                    );
                 }
                 StoreBackend::Postgres {
                     url_env: s.url_env.unwrap_or_else(|| "IDEMPROXY_POSTGRES_URL".into()),
@@ -212,7 +254,10 @@ impl Validator {
                 }
             }
             other => {
-                self.err("store.backend", format!("expected one of redb | postgres, found `{other}`"));
+                self.err(
+                    "store.backend",
+                    format!("expected one of redb | postgres, found `{other}`"),
+                );
                 StoreBackend::Redb {
                     path: PathBuf::from("data/idemproxy.redb"),
                 }
@@ -220,9 +265,17 @@ impl Validator {
         };
         StoreConfig {
             backend,
-            retention: self.duration("store.retention", s.retention.as_deref(), Duration::from_secs(24 * 3600)),
+            retention: self.duration(
+                "store.retention",
+                s.retention.as_deref(),
+                Duration::from_secs(24 * 3600),
+            ),
             lease: self.duration("store.lease", s.lease.as_deref(), Duration::from_secs(30)),
-            gc_interval: self.duration("store.gc_interval", s.gc_interval.as_deref(), Duration::from_secs(60)),
+            gc_interval: self.duration(
+                "store.gc_interval",
+                s.gc_interval.as_deref(),
+                Duration::from_secs(60),
+            ),
         }
     }
 
@@ -240,18 +293,26 @@ impl Validator {
         Limits {
             max_body_bytes: get("limits.max_body_bytes", l.max_body_bytes, 1024 * 1024),
             max_key_bytes: get("limits.max_key_bytes", l.max_key_bytes, 255),
-            max_response_bytes: get("limits.max_response_bytes", l.max_response_bytes, 16 * 1024 * 1024),
+            max_response_bytes: get(
+                "limits.max_response_bytes",
+                l.max_response_bytes,
+                16 * 1024 * 1024,
+            ),
         }
     }
 
     fn identity(&mut self, i: RawIdentity) -> IdentityConfig {
         let key_header = self
-            .header("identity.key_header", i.key_header.as_deref().unwrap_or("Idempotency-Key"))
+            .header(
+                "identity.key_header",
+                i.key_header.as_deref().unwrap_or("Idempotency-Key"),
+            )
             .unwrap_or(HeaderName::from_static("idempotency-key"));
         let derive_from = self.headers("identity.derive_from", &i.derive_from.unwrap_or_default());
         let tenant_from = self.headers(
             "identity.tenant_from",
-            &i.tenant_from.unwrap_or_else(|| vec!["Authorization".into()]),
+            &i.tenant_from
+                .unwrap_or_else(|| vec!["Authorization".into()]),
         );
         let operation_from = match i.operation_from {
             Some(h) => self.header("identity.operation_from", &h),
@@ -265,21 +326,36 @@ impl Validator {
         }
     }
 
-    fn upstream(&mut self, path: &str, u: RawUpstream, store: &StoreConfig, t: &Timeouts) -> Option<Upstream> {
+    fn upstream(
+        &mut self,
+        path: &str,
+        u: RawUpstream,
+        store: &StoreConfig,
+        t: &Timeouts,
+    ) -> Option<Upstream> {
         let name = match u.name {
             Some(n) if is_name(&n) => n,
             Some(n) => {
-                self.err(format!("{path}.name"), format!("expected a name of letters, digits, - and _, found `{n}`"));
+                self.err(
+                    format!("{path}.name"),
+                    format!("expected a name of letters, digits, - and _, found `{n}`"),
+                );
                 n
             }
             None => {
-                self.err(format!("{path}.name"), "missing (every upstream needs a name)");
+                self.err(
+                    format!("{path}.name"),
+                    "missing (every upstream needs a name)",
+                );
                 String::from("?")
             }
         };
         let (scheme, authority, base_path) = match u.url.as_deref() {
             None => {
-                self.err(format!("{path}.url"), "missing (e.g. https://api.example.com)");
+                self.err(
+                    format!("{path}.url"),
+                    "missing (e.g. https://api.example.com)",
+                );
                 return None;
             }
             Some(s) => match http::Uri::from_str(s) {
@@ -310,9 +386,14 @@ impl Validator {
         };
         let mount = match u.mount.as_deref() {
             None => format!("/{name}"),
-            Some(m) if m.starts_with('/') && !m.contains(['?', '#', '{', '}']) => m.trim_end_matches('/').to_string(),
+            Some(m) if m.starts_with('/') && !m.contains(['?', '#', '{', '}']) => {
+                m.trim_end_matches('/').to_string()
+            }
             Some(m) => {
-                self.err(format!("{path}.mount"), format!("expected a path prefix starting with /, found `{m}`"));
+                self.err(
+                    format!("{path}.mount"),
+                    format!("expected a path prefix starting with /, found `{m}`"),
+                );
                 String::new()
             }
         };
@@ -323,7 +404,10 @@ impl Validator {
             let rp = format!("{path}.routes[{i}]");
             if let Some(route) = self.route(&rp, r, store, timeout) {
                 if !route_names.insert(route.name.clone()) {
-                    self.err(format!("{rp}.name"), format!("duplicate route name `{}` in upstream `{name}`", route.name));
+                    self.err(
+                        format!("{rp}.name"),
+                        format!("duplicate route name `{}` in upstream `{name}`", route.name),
+                    );
                 }
                 routes.push(route);
             }
@@ -362,7 +446,10 @@ impl Validator {
         });
         if let Some(p) = &ca_file {
             if !p.is_file() {
-                self.err(format!("{path}.tls.ca_file"), format!("no such file: {}", p.display()));
+                self.err(
+                    format!("{path}.tls.ca_file"),
+                    format!("no such file: {}", p.display()),
+                );
             }
         }
         Some(Upstream {
@@ -378,20 +465,35 @@ impl Validator {
         })
     }
 
-    fn route(&mut self, path: &str, r: RawRoute, store: &StoreConfig, timeout: Duration) -> Option<Route> {
+    fn route(
+        &mut self,
+        path: &str,
+        r: RawRoute,
+        store: &StoreConfig,
+        timeout: Duration,
+    ) -> Option<Route> {
         let name = match r.name {
             Some(n) if is_name(&n) => n,
             Some(n) => {
-                self.err(format!("{path}.name"), format!("expected a name of letters, digits, - and _, found `{n}`"));
+                self.err(
+                    format!("{path}.name"),
+                    format!("expected a name of letters, digits, - and _, found `{n}`"),
+                );
                 n
             }
             None => {
-                self.err(format!("{path}.name"), "missing (the tool name, e.g. send_email)");
+                self.err(
+                    format!("{path}.name"),
+                    "missing (the tool name, e.g. send_email)",
+                );
                 "?".into()
             }
         };
         let Some(m) = r.matcher else {
-            self.err(format!("{path}.match"), "missing (e.g. { method: POST, path: /send })");
+            self.err(
+                format!("{path}.match"),
+                "missing (e.g. { method: POST, path: /send })",
+            );
             return None;
         };
         let method = match m.method.as_deref() {
@@ -399,7 +501,10 @@ impl Validator {
             Some(s) => match Method::from_bytes(s.as_bytes()) {
                 Ok(m) if s.chars().all(|c| c.is_ascii_uppercase()) => Some(m),
                 _ => {
-                    self.err(format!("{path}.match.method"), format!("expected an upper-case HTTP method or *, found `{s}`"));
+                    self.err(
+                        format!("{path}.match.method"),
+                        format!("expected an upper-case HTTP method or *, found `{s}`"),
+                    );
                     None
                 }
             },
@@ -407,16 +512,24 @@ impl Validator {
         let rpath = match m.path {
             Some(p) if p.starts_with('/') && !p.contains('?') => p,
             Some(p) => {
-                self.err(format!("{path}.match.path"), format!("expected a path template starting with / (no query), found `{p}`"));
+                self.err(
+                    format!("{path}.match.path"),
+                    format!("expected a path template starting with / (no query), found `{p}`"),
+                );
                 return None;
             }
             None => {
-                self.err(format!("{path}.match.path"), "missing (e.g. /v1/customers/{id})");
+                self.err(
+                    format!("{path}.match.path"),
+                    "missing (e.g. /v1/customers/{id})",
+                );
                 return None;
             }
         };
         let default_class = match &method {
-            Some(m) if matches!(*m, Method::GET | Method::HEAD | Method::OPTIONS) => Class::ReadOnly,
+            Some(m) if matches!(*m, Method::GET | Method::HEAD | Method::OPTIONS) => {
+                Class::ReadOnly
+            }
             _ => Class::SideEffect,
         };
         let class = match r.class.as_deref() {
@@ -428,7 +541,10 @@ impl Validator {
                 Class::SideEffect
             }
             Some(other) => {
-                self.err(format!("{path}.class"), format!("expected one of side_effect | read_only, found `{other}`"));
+                self.err(
+                    format!("{path}.class"),
+                    format!("expected one of side_effect | read_only, found `{other}`"),
+                );
                 Class::SideEffect
             }
         };
@@ -439,12 +555,18 @@ impl Validator {
             }),
             Some(RawDownstreamKey::Word(w)) if w == "none" => None,
             Some(RawDownstreamKey::Word(w)) => {
-                self.err(format!("{path}.downstream_key"), format!("expected `none` or {{ header, replays }}, found `{w}`"));
+                self.err(
+                    format!("{path}.downstream_key"),
+                    format!("expected `none` or {{ header, replays }}, found `{w}`"),
+                );
                 None
             }
             Some(RawDownstreamKey::Spec(s)) => {
                 let header = self
-                    .header(&format!("{path}.downstream_key.header"), s.header.as_deref().unwrap_or("Idempotency-Key"))
+                    .header(
+                        &format!("{path}.downstream_key.header"),
+                        s.header.as_deref().unwrap_or("Idempotency-Key"),
+                    )
                     .unwrap_or(HeaderName::from_static("idempotency-key"));
                 Some(DownstreamKey {
                     header,
@@ -476,14 +598,22 @@ impl Validator {
             Concurrent::Reject,
             &[("reject", Concurrent::Reject), ("wait", Concurrent::Wait)],
         );
-        let reconcile = r.reconcile.and_then(|rc| self.reconcile(&format!("{path}.reconcile"), rc));
+        let reconcile = r
+            .reconcile
+            .and_then(|rc| self.reconcile(&format!("{path}.reconcile"), rc));
         let approval = r.approval.map(|a| {
             for (i, p) in a.preview.iter().enumerate() {
                 self.pointer(&format!("{path}.approval.preview[{i}]"), p);
             }
             ApprovalSpec {
                 required: a.required.unwrap_or(true),
-                expires: a.expires.as_deref().map(|e| self.duration(&format!("{path}.approval.expires"), Some(e), Duration::from_secs(3600))),
+                expires: a.expires.as_deref().map(|e| {
+                    self.duration(
+                        &format!("{path}.approval.expires"),
+                        Some(e),
+                        Duration::from_secs(3600),
+                    )
+                }),
                 preview: a.preview,
             }
         });
@@ -496,7 +626,10 @@ impl Validator {
             Some(rt) => {
                 let attempts = rt.attempts.unwrap_or(3);
                 if attempts == 0 || attempts > 10 {
-                    self.err(format!("{path}.retry.attempts"), format!("expected 1..=10 tries, found {attempts}"));
+                    self.err(
+                        format!("{path}.retry.attempts"),
+                        format!("expected 1..=10 tries, found {attempts}"),
+                    );
                 }
                 RetrySpec {
                     attempts: attempts.clamp(1, 10),
@@ -514,12 +647,19 @@ impl Validator {
                 ("key_required", r.key_required.is_some()),
             ] {
                 if set {
-                    self.err(format!("{path}.{key}"), "only meaningful on side_effect routes");
+                    self.err(
+                        format!("{path}.{key}"),
+                        "only meaningful on side_effect routes",
+                    );
                 }
             }
         }
         let tool_version = r.tool_version.unwrap_or_else(|| "v1".into());
-        let retention = self.duration(&format!("{path}.retention"), r.retention.as_deref(), store.retention);
+        let retention = self.duration(
+            &format!("{path}.retention"),
+            r.retention.as_deref(),
+            store.retention,
+        );
         let timeout = self.duration(&format!("{path}.timeout"), r.timeout.as_deref(), timeout);
         let external_id = match r.external_id.as_deref() {
             Some("none") => None,
@@ -551,14 +691,22 @@ impl Validator {
 
     fn reconcile(&mut self, path: &str, rc: RawReconcile) -> Option<ReconcileSpec> {
         let method = match rc.method.as_deref().unwrap_or("GET") {
-            m @ ("GET" | "POST" | "HEAD") => Method::from_bytes(m.as_bytes()).expect("literal methods"),
+            m @ ("GET" | "POST" | "HEAD") => {
+                Method::from_bytes(m.as_bytes()).expect("literal methods")
+            }
             other => {
-                self.err(format!("{path}.method"), format!("expected GET | POST | HEAD, found `{other}`"));
+                self.err(
+                    format!("{path}.method"),
+                    format!("expected GET | POST | HEAD, found `{other}`"),
+                );
                 Method::GET
             }
         };
         let Some(p) = rc.path.filter(|p| p.starts_with('/')) else {
-            self.err(format!("{path}.path"), "missing or not starting with / (e.g. \"/messages?tag={execution_id}\")");
+            self.err(
+                format!("{path}.path"),
+                "missing or not starting with / (e.g. \"/messages?tag={execution_id}\")",
+            );
             return None;
         };
         let mut headers = Vec::new();
@@ -569,10 +717,16 @@ impl Validator {
         }
         let mut matcher = |which: &str, m: Option<RawMatcher>| -> Matcher {
             let Some(m) = m else {
-                self.err(format!("{path}.{which}"), "missing (e.g. { status: 200, json_nonempty: /data })");
+                self.err(
+                    format!("{path}.{which}"),
+                    "missing (e.g. { status: 200, json_nonempty: /data })",
+                );
                 return Matcher::default();
             };
-            for (k, p) in [("json_nonempty", &m.json_nonempty), ("json_empty", &m.json_empty)] {
+            for (k, p) in [
+                ("json_nonempty", &m.json_nonempty),
+                ("json_empty", &m.json_empty),
+            ] {
                 if let Some(p) = p {
                     self.pointer(&format!("{path}.{which}.{k}"), p);
                 }
@@ -600,5 +754,7 @@ impl Validator {
 }
 
 fn is_name(s: &str) -> bool {
-    !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-' || c == '.')
+    !s.is_empty()
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-' || c == '.')
 }

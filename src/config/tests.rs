@@ -3,7 +3,9 @@ use std::path::Path;
 use super::*;
 
 fn errors(yaml: &str) -> String {
-    from_yaml(yaml, Path::new("cfg.yaml")).unwrap_err().to_string()
+    from_yaml(yaml, Path::new("cfg.yaml"))
+        .unwrap_err()
+        .to_string()
 }
 
 #[test]
@@ -11,7 +13,10 @@ fn unknown_key_names_file_path_and_line() {
     let text = errors(
         "upstreams:\n  - name: mail\n    url: http://127.0.0.1:1\n    routes:\n      - name: a\n        match: { method: POST, path: /a }\n        colour: blue\n",
     );
-    assert!(text.starts_with("cfg.yaml:7: upstreams[0].routes[0]"), "{text}");
+    assert!(
+        text.starts_with("cfg.yaml:7: upstreams[0].routes[0]"),
+        "{text}"
+    );
     assert!(text.contains("unknown field `colour`"), "{text}");
 }
 
@@ -20,9 +25,15 @@ fn bad_values_are_all_reported_with_paths() {
     let text = errors(
         "upstreams:\n  - name: mail\n    url: ftp://x\n  - name: pay\n    url: http://127.0.0.1:1\n    routes:\n      - name: a\n        match: { method: POST, path: /a }\n        on_5xx: maybe\n        timeout: soon\n",
     );
-    assert!(text.contains("cfg.yaml: upstreams[0].url: expected an absolute http:// or https:// URL"), "{text}");
+    assert!(
+        text.contains("cfg.yaml: upstreams[0].url: expected an absolute http:// or https:// URL"),
+        "{text}"
+    );
     assert!(text.contains("cfg.yaml: upstreams[1].routes[0].on_5xx: expected one of outcome_unknown | failed_before_commit | committed, found `maybe`"), "{text}");
-    assert!(text.contains("upstreams[1].routes[0].timeout: expected a duration"), "{text}");
+    assert!(
+        text.contains("upstreams[1].routes[0].timeout: expected a duration"),
+        "{text}"
+    );
 }
 
 #[test]
@@ -39,7 +50,10 @@ fn defaults_follow_the_spec() {
     assert_eq!(send.class, Class::SideEffect);
     assert!(send.key_required);
     assert_eq!(send.on_5xx, On5xx::OutcomeUnknown);
-    assert_eq!(send.downstream_key.as_ref().map(|k| k.header.as_str()), Some("idempotency-key"));
+    assert_eq!(
+        send.downstream_key.as_ref().map(|k| k.header.as_str()),
+        Some("idempotency-key")
+    );
     assert_eq!(up.routes[1].class, Class::ReadOnly);
     assert_eq!(cfg.limits.max_body_bytes, 1024 * 1024);
     assert_eq!(cfg.limits.max_key_bytes, 255);
@@ -54,7 +68,12 @@ fn downstream_key_none_and_postgres_backend() {
     )
     .expect("valid");
     assert!(cfg.upstreams[0].routes[0].downstream_key.is_none());
-    assert!(matches!(&cfg.store.backend, StoreBackend::Postgres { url_env, .. } if url_env == "PG_URL"));
+    assert!(
+        matches!(&cfg.store.backend, StoreBackend::Postgres { url_env, .. } if url_env == "PG_URL")
+    );
     let text = errors("upstreams:\n  - name: m\n    url: http://127.0.0.1:1\n    routes:\n      - { name: s, match: { method: POST, path: /s }, downstream_key: always }\n");
-    assert!(text.contains("upstreams[0].routes[0].downstream_key: expected `none`"), "{text}");
+    assert!(
+        text.contains("upstreams[0].routes[0].downstream_key: expected `none`"),
+        "{text}"
+    );
 }

@@ -28,7 +28,9 @@ pub enum Classified<'a> {
     /// No mount covers the path.
     NoUpstream,
     /// Under a mount, no route matched, and `unmatched: reject`.
-    Unmatched { upstream: &'a Upstream },
+    Unmatched {
+        upstream: &'a Upstream,
+    },
     Matched(Target<'a>),
 }
 
@@ -99,7 +101,7 @@ impl RouteTable {
         if !issues.is_empty() {
             return Err(issues);
         }
-        mounts.sort_by(|a, b| b.0.len().cmp(&a.0.len()));
+        mounts.sort_by_key(|m| std::cmp::Reverse(m.0.len()));
         Ok(RouteTable { mounts, routers })
     }
 
@@ -119,13 +121,16 @@ impl RouteTable {
         };
         let upstream = &upstreams[*ui];
         let rel = &path[mount.len()..];
-        let rel_path = if rel.is_empty() { "/".to_string() } else { rel.to_string() };
+        let rel_path = if rel.is_empty() {
+            "/".to_string()
+        } else {
+            rel.to_string()
+        };
         if let Ok(m) = self.routers[*ui].at(&rel_path) {
             let hit = m.value.iter().copied().find(|&ri| {
-                upstream.routes[ri]
-                    .method
-                    .as_ref()
-                    .is_none_or(|rm| rm == method || (*method == Method::HEAD && *rm == Method::GET))
+                upstream.routes[ri].method.as_ref().is_none_or(|rm| {
+                    rm == method || (*method == Method::HEAD && *rm == Method::GET)
+                })
             });
             if let Some(ri) = hit {
                 let params = m
@@ -146,7 +151,10 @@ impl RouteTable {
         if unmatched == Unmatched::Reject {
             return Classified::Unmatched { upstream };
         }
-        let read_only = matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE);
+        let read_only = matches!(
+            *method,
+            Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE
+        );
         let (route_ref, route) = if read_only {
             (RouteRef::FallbackReadOnly, &upstream.fallback_read_only)
         } else {
@@ -228,10 +236,18 @@ upstreams:
 
     #[test]
     fn reject_mode_and_no_upstream() {
-        let yaml = YAML.replace("upstreams:", "unmatched: reject\nupstreams:").replace("    mount: /\n", "    mount: /pay\n");
+        let yaml = YAML
+            .replace("upstreams:", "unmatched: reject\nupstreams:")
+            .replace("    mount: /\n", "    mount: /pay\n");
         let cfg = from_yaml(&yaml, Path::new("t.yaml")).expect("valid");
-        assert!(matches!(classify(&cfg, Method::POST, "/mail/other"), Classified::Unmatched { .. }));
-        assert!(matches!(classify(&cfg, Method::POST, "/nothing"), Classified::NoUpstream));
+        assert!(matches!(
+            classify(&cfg, Method::POST, "/mail/other"),
+            Classified::Unmatched { .. }
+        ));
+        assert!(matches!(
+            classify(&cfg, Method::POST, "/nothing"),
+            Classified::NoUpstream
+        ));
     }
 
     #[test]
@@ -246,6 +262,11 @@ upstreams:
 "#;
         let err = from_yaml(yaml, Path::new("dup.yaml")).unwrap_err();
         let text = err.to_string();
-        assert!(text.contains("dup.yaml: upstreams[0].routes[1].match: same method and path as route `one`"), "{text}");
+        assert!(
+            text.contains(
+                "dup.yaml: upstreams[0].routes[1].match: same method and path as route `one`"
+            ),
+            "{text}"
+        );
     }
 }

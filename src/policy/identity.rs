@@ -55,7 +55,10 @@ pub enum KeySource {
 /// The result of looking for a key on a side-effect request.
 #[derive(Debug, PartialEq, Eq)]
 pub enum KeyLookup {
-    Found { key: String, source: KeySource },
+    Found {
+        key: String,
+        source: KeySource,
+    },
     Missing,
     /// The key is present but unusable; the text says why (no key bytes in it).
     Invalid(String),
@@ -63,13 +66,23 @@ pub enum KeyLookup {
 
 /// Find the logical key of a request (SPEC section 4): the client's key header, else the
 /// `derive_from` headers (all of them must be present) joined with the tool identity.
-pub fn find_key(headers: &HeaderMap, id: &IdentityConfig, route: &Route, max_key_bytes: usize) -> KeyLookup {
+pub fn find_key(
+    headers: &HeaderMap,
+    id: &IdentityConfig,
+    route: &Route,
+    max_key_bytes: usize,
+) -> KeyLookup {
     let mut values = headers.get_all(&id.key_header).iter();
     if let Some(v) = values.next() {
         if values.next().is_some() {
             return KeyLookup::Invalid(format!("more than one {} header", id.key_header));
         }
-        return check_key(v.to_str().ok().map(str::trim), max_key_bytes, KeySource::Client, id.key_header.as_str());
+        return check_key(
+            v.to_str().ok().map(str::trim),
+            max_key_bytes,
+            KeySource::Client,
+            id.key_header.as_str(),
+        );
     }
     if id.derive_from.is_empty() {
         return KeyLookup::Missing;
@@ -80,7 +93,9 @@ pub fn find_key(headers: &HeaderMap, id: &IdentityConfig, route: &Route, max_key
             None => return KeyLookup::Missing,
             Some(v) => match v.to_str().map(str::trim) {
                 Ok(s) if !s.is_empty() => parts.push(s.to_string()),
-                _ => return KeyLookup::Invalid(format!("header {h} is empty or not visible ASCII")),
+                _ => {
+                    return KeyLookup::Invalid(format!("header {h} is empty or not visible ASCII"))
+                }
             },
         }
     }
@@ -92,12 +107,17 @@ pub fn find_key(headers: &HeaderMap, id: &IdentityConfig, route: &Route, max_key
 
 fn check_key(v: Option<&str>, max: usize, source: KeySource, what: &str) -> KeyLookup {
     match v {
-        None => KeyLookup::Invalid(format!("{what} is not a valid header string (visible ASCII only)")),
+        None => KeyLookup::Invalid(format!(
+            "{what} is not a valid header string (visible ASCII only)"
+        )),
         Some("") => KeyLookup::Invalid(format!("{what} is empty")),
-        Some(k) if k.len() > max => KeyLookup::Invalid(format!("{what} is {} bytes, longer than the {max}-byte limit", k.len())),
-        Some(k) if !k.bytes().all(|b| (0x20..0x7f).contains(&b)) => {
-            KeyLookup::Invalid(format!("{what} is not a valid header string (visible ASCII only)"))
-        }
+        Some(k) if k.len() > max => KeyLookup::Invalid(format!(
+            "{what} is {} bytes, longer than the {max}-byte limit",
+            k.len()
+        )),
+        Some(k) if !k.bytes().all(|b| (0x20..0x7f).contains(&b)) => KeyLookup::Invalid(format!(
+            "{what} is not a valid header string (visible ASCII only)"
+        )),
         Some(k) => KeyLookup::Found {
             key: k.to_string(),
             source,
@@ -174,7 +194,10 @@ mod tests {
             }
         );
         h.remove("x-model-round");
-        assert_eq!(find_key(&h, &c.identity, &c.upstreams[0].routes[0], 255), KeyLookup::Missing);
+        assert_eq!(
+            find_key(&h, &c.identity, &c.upstreams[0].routes[0], 255),
+            KeyLookup::Missing
+        );
         assert_eq!(operation_id(&h, &c.identity).as_deref(), Some("op_77"));
     }
 
@@ -185,13 +208,34 @@ mod tests {
         let mut h = HeaderMap::new();
         h.insert("idempotency-key", HeaderValue::from_static("k1"));
         h.insert("x-operation-id", HeaderValue::from_static("op"));
-        assert!(matches!(find_key(&h, &c.identity, r, 255), KeyLookup::Found { source: KeySource::Client, .. }));
-        h.insert("idempotency-key", HeaderValue::from_str(&"a".repeat(256)).expect("ascii"));
-        assert!(matches!(find_key(&h, &c.identity, r, 255), KeyLookup::Invalid(_)));
-        h.insert("idempotency-key", HeaderValue::from_bytes(b"caf\xc3\xa9").expect("obs-text allowed by http"));
-        assert!(matches!(find_key(&h, &c.identity, r, 255), KeyLookup::Invalid(_)));
+        assert!(matches!(
+            find_key(&h, &c.identity, r, 255),
+            KeyLookup::Found {
+                source: KeySource::Client,
+                ..
+            }
+        ));
+        h.insert(
+            "idempotency-key",
+            HeaderValue::from_str(&"a".repeat(256)).expect("ascii"),
+        );
+        assert!(matches!(
+            find_key(&h, &c.identity, r, 255),
+            KeyLookup::Invalid(_)
+        ));
+        h.insert(
+            "idempotency-key",
+            HeaderValue::from_bytes(b"caf\xc3\xa9").expect("obs-text allowed by http"),
+        );
+        assert!(matches!(
+            find_key(&h, &c.identity, r, 255),
+            KeyLookup::Invalid(_)
+        ));
         h.insert("idempotency-key", HeaderValue::from_static(""));
-        assert!(matches!(find_key(&h, &c.identity, r, 255), KeyLookup::Invalid(_)));
+        assert!(matches!(
+            find_key(&h, &c.identity, r, 255),
+            KeyLookup::Invalid(_)
+        ));
     }
 
     #[test]
@@ -206,6 +250,8 @@ mod tests {
         assert_ne!(a, execution_id(&t1, "mail", "send_email", "k"));
         assert_ne!(a, execution_id(&t2, "mail", "other", "k"));
         assert_eq!(a.as_str().len(), 27);
-        assert!(a.as_str()[3..].bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_'));
+        assert!(a.as_str()[3..]
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_'));
     }
 }

@@ -36,7 +36,12 @@ pub fn rel_with_query(target: &Target<'_>, query: Option<&str>) -> String {
 /// Copy the client's headers for the downstream: hop-by-hop removed, `Host` and
 /// `X-Forwarded-*` set, the client's idempotency key removed (the downstream sees only the
 /// injected execution id, SPEC section 4).
-pub fn request_headers(src: &HeaderMap, upstream: &Upstream, peer: SocketAddr, remove: &[&HeaderName]) -> HeaderMap {
+pub fn request_headers(
+    src: &HeaderMap,
+    upstream: &Upstream,
+    peer: SocketAddr,
+    remove: &[&HeaderName],
+) -> HeaderMap {
     let mut h = src.clone();
     headers::strip_hop_by_hop(&mut h);
     for name in remove {

@@ -72,24 +72,40 @@ impl Proxy {
     }
 
     /// Entry point for every request on the proxy listener.
-    pub async fn handle(self: Arc<Self>, req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
+    pub async fn handle(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+        peer: SocketAddr,
+    ) -> Response<ProxyBody> {
         let rt = self.runtime();
         let cfg = &rt.config;
         let path = req.uri().path().to_string();
-        match cfg.routes.classify(&cfg.upstreams, cfg.unmatched, req.method(), &path) {
+        match cfg
+            .routes
+            .classify(&cfg.upstreams, cfg.unmatched, req.method(), &path)
+        {
             Classified::NoUpstream => {
-                Problem::new(Kind::NoRoute, format!("no upstream is mounted at {path}")).into_response()
+                Problem::new(Kind::NoRoute, format!("no upstream is mounted at {path}"))
+                    .into_response()
             }
             Classified::Unmatched { upstream } => Problem::new(
                 Kind::RouteUnmatched,
-                format!("no route of upstream `{}` matches {} {path} and `unmatched: reject` is set", upstream.name, req.method()),
+                format!(
+                    "no route of upstream `{}` matches {} {path} and `unmatched: reject` is set",
+                    upstream.name,
+                    req.method()
+                ),
             )
             .into_response(),
             Classified::Matched(target) => {
                 let client = rt.clients[target.upstream_index].clone();
                 match target.route.class {
-                    Class::ReadOnly => passthrough::forward(&rt, &client, &target, req, peer, true).await,
-                    Class::SideEffect => side_effect::handle(&self, &rt, &client, &target, req, peer).await,
+                    Class::ReadOnly => {
+                        passthrough::forward(&rt, &client, &target, req, peer, true).await
+                    }
+                    Class::SideEffect => {
+                        side_effect::handle(&self, &rt, &client, &target, req, peer).await
+                    }
                 }
             }
         }

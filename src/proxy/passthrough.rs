@@ -28,13 +28,20 @@ pub async fn forward(
     let rel = downstream::rel_with_query(target, parts.uri.query());
     let uri = match downstream::uri(target.upstream, &rel) {
         Ok(u) => u,
-        Err(e) => return Problem::new(Kind::BadRequest, format!("cannot build upstream URI: {e}")).into_response(),
+        Err(e) => {
+            return Problem::new(Kind::BadRequest, format!("cannot build upstream URI: {e}"))
+                .into_response()
+        }
     };
     let key_header = &rt.config.identity.key_header;
     let headers = downstream::request_headers(&parts.headers, target.upstream, peer, &[key_header]);
     let route = target.route;
     let bodyless = incoming.is_end_stream();
-    let attempts = if allow_retry && bodyless { route.retry.attempts.max(1) } else { 1 };
+    let attempts = if allow_retry && bodyless {
+        route.retry.attempts.max(1)
+    } else {
+        1
+    };
     let mut incoming = Some(incoming);
     let mut backoff = route.retry.backoff;
     for attempt in 1..=attempts {
@@ -49,14 +56,19 @@ pub async fn forward(
             Ok(Ok(resp)) => {
                 let transient = matches!(
                     resp.status(),
-                    StatusCode::BAD_GATEWAY | StatusCode::SERVICE_UNAVAILABLE | StatusCode::GATEWAY_TIMEOUT
+                    StatusCode::BAD_GATEWAY
+                        | StatusCode::SERVICE_UNAVAILABLE
+                        | StatusCode::GATEWAY_TIMEOUT
                 );
                 if transient && !last {
                     tracing::debug!(upstream = %target.upstream.name, route = %route.name, attempt, status = %resp.status(), "transient status; retrying");
                 } else {
                     let (mut rparts, rbody) = resp.into_parts();
                     downstream::response_headers(&mut rparts.headers);
-                    return Response::from_parts(rparts, rbody.map_err(|e| Box::new(e) as body::BoxError).boxed());
+                    return Response::from_parts(
+                        rparts,
+                        rbody.map_err(|e| Box::new(e) as body::BoxError).boxed(),
+                    );
                 }
             }
             Ok(Err(e)) => {
@@ -64,7 +76,11 @@ pub async fn forward(
                 if last {
                     return Problem::new(
                         Kind::UpstreamUnavailable,
-                        format!("upstream `{}` failed: {}", target.upstream.name, client::describe(&e)),
+                        format!(
+                            "upstream `{}` failed: {}",
+                            target.upstream.name,
+                            client::describe(&e)
+                        ),
                     )
                     .into_response();
                 }
@@ -73,7 +89,10 @@ pub async fn forward(
                 if last {
                     return Problem::new(
                         Kind::UpstreamTimeout,
-                        format!("upstream `{}` did not answer within {:?}", target.upstream.name, route.timeout),
+                        format!(
+                            "upstream `{}` did not answer within {:?}",
+                            target.upstream.name, route.timeout
+                        ),
                     )
                     .into_response();
                 }

@@ -21,7 +21,11 @@ pub async fn recover_stale(store: &dyn Store, before_ms: i64) -> Result<usize, S
         let n = batch.len();
         let mut progressed = false;
         for mut r in batch {
-            let owner = r.lease.as_ref().map(|l| l.owner.clone()).unwrap_or_default();
+            let owner = r
+                .lease
+                .as_ref()
+                .map(|l| l.owner.clone())
+                .unwrap_or_default();
             let note = format!("owner {owner} stopped while executing; the request may or may not have reached the downstream");
             if r.apply(Event::LoseOutcome, now_ms(), Some(note)).is_err() {
                 continue;
@@ -43,7 +47,11 @@ pub async fn recover_stale(store: &dyn Store, before_ms: i64) -> Result<usize, S
 }
 
 /// Renew our leases every third of the lease period; take over expired ones.
-pub fn spawn_lease_keeper(store: Arc<dyn Store>, owner: String, lease: Duration) -> tokio::task::JoinHandle<()> {
+pub fn spawn_lease_keeper(
+    store: Arc<dyn Store>,
+    owner: String,
+    lease: Duration,
+) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let period = (lease / 3).max(Duration::from_millis(100));
         let mut tick = tokio::time::interval(period);

@@ -38,7 +38,12 @@ pub async fn handle(
     let cfg = &rt.config;
     let route = target.route;
     // admit: the key decides whether this call is protected at all.
-    let key = match identity::find_key(req.headers(), &cfg.identity, route, cfg.limits.max_key_bytes) {
+    let key = match identity::find_key(
+        req.headers(),
+        &cfg.identity,
+        route,
+        cfg.limits.max_key_bytes,
+    ) {
         KeyLookup::Found { key, .. } => key,
         KeyLookup::Missing if route.key_required => {
             return Problem::new(
@@ -48,7 +53,11 @@ pub async fn handle(
                     target.upstream.name,
                     route.name,
                     cfg.identity.key_header,
-                    if cfg.identity.derive_from.is_empty() { String::new() } else { " or the derive_from headers".to_string() }
+                    if cfg.identity.derive_from.is_empty() {
+                        String::new()
+                    } else {
+                        " or the derive_from headers".to_string()
+                    }
                 ),
             )
             .into_response();
@@ -96,7 +105,11 @@ pub async fn handle(
 
 /// Buffer the request body up to the limit; a side effect must be hashed and may be sent
 /// again under the same identity, so it cannot be streamed.
-async fn read_body(incoming: Incoming, parts: &Parts, limit: usize) -> Result<Bytes, Box<Response<ProxyBody>>> {
+async fn read_body(
+    incoming: Incoming,
+    parts: &Parts,
+    limit: usize,
+) -> Result<Bytes, Box<Response<ProxyBody>>> {
     let too_large = || {
         Box::new(
             Problem::new(Kind::BodyTooLarge, format!("request body is larger than limits.max_body_bytes ({limit} bytes); nothing was forwarded"))
@@ -113,9 +126,18 @@ async fn read_body(incoming: Incoming, parts: &Parts, limit: usize) -> Result<By
     }
     match Limited::new(incoming, limit).collect().await {
         Ok(c) => Ok(c.to_bytes()),
-        Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => Err(too_large()),
+        Err(e)
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some() =>
+        {
+            Err(too_large())
+        }
         Err(e) => Err(Box::new(
-            Problem::new(Kind::BadRequest, format!("could not read the request body: {e}")).into_response(),
+            Problem::new(
+                Kind::BadRequest,
+                format!("could not read the request body: {e}"),
+            )
+            .into_response(),
         )),
     }
 }
@@ -159,7 +181,9 @@ impl Call<'_> {
             let record = match current {
                 Some(r) => r,
                 None => match self.proxy.store.claim(self.new_record()).await {
-                    Ok(Claim::Claimed(r)) if r.state() == State::Executing => return self.execute(r).await,
+                    Ok(Claim::Claimed(r)) if r.state() == State::Executing => {
+                        return self.execute(r).await
+                    }
                     Ok(Claim::Claimed(r)) => return self.approval_required(&r),
                     Ok(Claim::Existing(r)) => r,
                     Err(e) => return self.store_failed(e),
@@ -170,7 +194,9 @@ impl Call<'_> {
                 Decision::Execute(event) => {
                     let mut r = record;
                     if let Err(e) = r.apply(event, now_ms(), None) {
-                        return Problem::new(Kind::Internal, e.to_string()).execution(&self.id).into_response();
+                        return Problem::new(Kind::Internal, e.to_string())
+                            .execution(&self.id)
+                            .into_response();
                     }
                     r.lease = Some(self.lease());
                     match self.proxy.store.update(r).await {
@@ -206,13 +232,21 @@ impl Call<'_> {
             path: self.target.rel_path.clone(),
             query: self.parts.uri.query().map(str::to_string),
             path_params: self.target.params.clone(),
-            preview: route.approval.as_ref().map(|a| preview(&self.body, &a.preview)),
+            preview: route
+                .approval
+                .as_ref()
+                .map(|a| preview(&self.body, &a.preview)),
             now_ms: now,
             expires_at_ms: now.saturating_add(route.retention.as_millis() as i64),
         });
         let needs_approval = route.approval.as_ref().is_some_and(|a| a.required);
-        let event = if needs_approval { Event::RequestApproval } else { Event::Start };
-        r.apply(event, now, None).expect("prepared accepts both start and request_approval");
+        let event = if needs_approval {
+            Event::RequestApproval
+        } else {
+            Event::Start
+        };
+        r.apply(event, now, None)
+            .expect("prepared accepts both start and request_approval");
         if r.state() == State::Executing {
             r.lease = Some(self.lease());
         }
@@ -271,25 +305,37 @@ impl Call<'_> {
     }
 
     fn in_flight(&self) -> Response<ProxyBody> {
-        Problem::new(Kind::InFlight, "an attempt with this key is executing; retry later to get its result")
-            .execution(&self.id)
-            .header("retry-after", HeaderValue::from_static("1"))
-            .into_response()
+        Problem::new(
+            Kind::InFlight,
+            "an attempt with this key is executing; retry later to get its result",
+        )
+        .execution(&self.id)
+        .header("retry-after", HeaderValue::from_static("1"))
+        .into_response()
     }
 
     fn approval_required(&self, r: &Record) -> Response<ProxyBody> {
-        Problem::new(Kind::ApprovalRequired, "this call needs an operator's approval of these exact arguments")
-            .execution(&self.id)
-            .with("args_hash", r.args_hash.as_str())
-            .with("preview", r.preview.clone().unwrap_or(serde_json::Value::Null))
-            .into_response()
+        Problem::new(
+            Kind::ApprovalRequired,
+            "this call needs an operator's approval of these exact arguments",
+        )
+        .execution(&self.id)
+        .with("args_hash", r.args_hash.as_str())
+        .with(
+            "preview",
+            r.preview.clone().unwrap_or(serde_json::Value::Null),
+        )
+        .into_response()
     }
 
     fn store_failed(&self, e: StoreError) -> Response<ProxyBody> {
         tracing::error!(execution_id = %self.id, error = %e, "store failure");
-        Problem::new(Kind::StoreUnavailable, format!("the execution store failed ({e}); nothing was sent"))
-            .execution(&self.id)
-            .into_response()
+        Problem::new(
+            Kind::StoreUnavailable,
+            format!("the execution store failed ({e}); nothing was sent"),
+        )
+        .execution(&self.id)
+        .into_response()
     }
 
     /// Send the request downstream under a record that is durably `executing`.
@@ -300,25 +346,51 @@ impl Call<'_> {
         let rel = downstream::rel_with_query(self.target, self.parts.uri.query());
         let uri = match downstream::uri(upstream, &rel) {
             Ok(u) => u,
-            Err(e) => return self.finish_failed(record, format!("cannot build upstream URI: {e}"), None).await,
+            Err(e) => {
+                return self
+                    .finish_failed(record, format!("cannot build upstream URI: {e}"), None)
+                    .await
+            }
         };
-        let mut headers = downstream::request_headers(&self.parts.headers, upstream, self.peer, &[&self.rt.config.identity.key_header]);
+        let mut headers = downstream::request_headers(
+            &self.parts.headers,
+            upstream,
+            self.peer,
+            &[&self.rt.config.identity.key_header],
+        );
         if let Some(dk) = &route.downstream_key {
             // `insert` replaces every existing value: the downstream sees exactly one.
-            headers.insert(dk.header.clone(), downstream::header_value(self.id.as_str()));
+            headers.insert(
+                dk.header.clone(),
+                downstream::header_value(self.id.as_str()),
+            );
         }
-        let req = downstream::build(self.parts.method.clone(), uri, headers, body::full(self.body.clone()));
+        let req = downstream::build(
+            self.parts.method.clone(),
+            uri,
+            headers,
+            body::full(self.body.clone()),
+        );
         tracing::info!(execution_id = %self.id, upstream = %upstream.name, route = %route.name, attempt = record.attempts, "executing");
         let started = tokio::time::Instant::now();
         let sent = tokio::time::timeout(route.timeout, async {
-            let resp = self.client.request(req).await.map_err(|e| (client::classify(&e), client::describe(&e)))?;
+            let resp = self
+                .client
+                .request(req)
+                .await
+                .map_err(|e| (client::classify(&e), client::describe(&e)))?;
             failpoint::hit("in_flight").await;
             let (rparts, rbody) = resp.into_parts();
             let limit = self.rt.config.limits.max_response_bytes;
             let bytes = Limited::new(rbody, limit)
                 .collect()
                 .await
-                .map_err(|e: BoxError| (SendFailure::AfterSend, format!("reading the response failed: {e}")))?
+                .map_err(|e: BoxError| {
+                    (
+                        SendFailure::AfterSend,
+                        format!("reading the response failed: {e}"),
+                    )
+                })?
                 .to_bytes();
             Ok::<_, (SendFailure, String)>((rparts, bytes))
         })
@@ -348,11 +420,17 @@ impl Call<'_> {
                     match route.on_5xx {
                         On5xx::Committed => self.finish_committed(record, stored).await,
                         On5xx::FailedBeforeCommit => {
-                            let why = format!("downstream answered {} (on_5xx: failed_before_commit)", rparts.status);
+                            let why = format!(
+                                "downstream answered {} (on_5xx: failed_before_commit)",
+                                rparts.status
+                            );
                             self.finish_failed(record, why, Some(stored)).await
                         }
                         On5xx::OutcomeUnknown => {
-                            let why = format!("downstream answered {} (on_5xx: outcome_unknown)", rparts.status);
+                            let why = format!(
+                                "downstream answered {} (on_5xx: outcome_unknown)",
+                                rparts.status
+                            );
                             self.finish_5xx_unknown(record, why, stored).await
                         }
                     }
@@ -364,15 +442,28 @@ impl Call<'_> {
     }
 
     /// Write `record` after applying `event`; on a fencing conflict, return what is stored now.
-    async fn transition(&self, mut record: Record, event: Event, note: Option<String>) -> Result<Record, StoreError> {
+    async fn transition(
+        &self,
+        mut record: Record,
+        event: Event,
+        note: Option<String>,
+    ) -> Result<Record, StoreError> {
         if let Err(e) = record.apply(event, now_ms(), note) {
             return Err(StoreError::Backend(e.to_string()));
         }
         self.proxy.store.update(record).await
     }
 
-    async fn finish_committed(&self, mut record: Record, stored: StoredResponse) -> Response<ProxyBody> {
-        record.external_id = self.route().external_id.as_deref().and_then(|p| external_id(&stored, p));
+    async fn finish_committed(
+        &self,
+        mut record: Record,
+        stored: StoredResponse,
+    ) -> Response<ProxyBody> {
+        record.external_id = self
+            .route()
+            .external_id
+            .as_deref()
+            .and_then(|p| external_id(&stored, p));
         record.response = Some(stored.clone());
         match self.transition(record.clone(), Event::Commit, None).await {
             Ok(r) => {
@@ -384,7 +475,10 @@ impl Call<'_> {
                 // The effect happened but is not recorded: the record stays `executing` and
                 // becomes `outcome_unknown` on recovery; the client must not assume failure.
                 tracing::error!(execution_id = %self.id, error = %e, "downstream committed but the record could not be written");
-                self.unknown_problem(format!("the downstream answered but the record could not be stored: {e}"), false)
+                self.unknown_problem(
+                    format!("the downstream answered but the record could not be stored: {e}"),
+                    false,
+                )
             }
         }
     }
@@ -395,13 +489,19 @@ impl Call<'_> {
     async fn commit_after_takeover(&self, stored: StoredResponse) -> Response<ProxyBody> {
         let current = match self.proxy.store.get(&self.id).await {
             Ok(Some(r)) => r,
-            Ok(None) => return self.unknown_problem("the record vanished while executing".into(), false),
+            Ok(None) => {
+                return self.unknown_problem("the record vanished while executing".into(), false)
+            }
             Err(e) => return self.store_failed(e),
         };
         let state = current.state();
         if state == State::OutcomeUnknown {
             let mut r = current;
-            r.external_id = self.route().external_id.as_deref().and_then(|p| external_id(&stored, p));
+            r.external_id = self
+                .route()
+                .external_id
+                .as_deref()
+                .and_then(|p| external_id(&stored, p));
             r.response = Some(stored);
             let note = Some("late answer from the original attempt".to_string());
             if let Ok(r) = self.transition(r, Event::ResolveCommitted, note).await {
@@ -411,61 +511,104 @@ impl Call<'_> {
             return self.replay(&current);
         }
         tracing::error!(execution_id = %self.id, state = %state, "lost the lease while executing; another decision stands");
-        self.unknown_problem("this attempt lost ownership of the execution while it ran; see the record".into(), false)
+        self.unknown_problem(
+            "this attempt lost ownership of the execution while it ran; see the record".into(),
+            false,
+        )
     }
 
-    async fn finish_failed(&self, record: Record, why: String, downstream: Option<StoredResponse>) -> Response<ProxyBody> {
+    async fn finish_failed(
+        &self,
+        record: Record,
+        why: String,
+        downstream: Option<StoredResponse>,
+    ) -> Response<ProxyBody> {
         tracing::warn!(execution_id = %self.id, reason = %why, "failed before commit");
-        if let Err(e) = self.transition(record, Event::FailBeforeCommit, Some(why.clone())).await {
+        if let Err(e) = self
+            .transition(record, Event::FailBeforeCommit, Some(why.clone()))
+            .await
+        {
             tracing::error!(execution_id = %self.id, error = %e, "could not record failed_before_commit");
         }
         match downstream {
             Some(stored) => {
                 let mut resp = stored_response(&stored, &self.id);
-                resp.headers_mut().insert(STATUS, HeaderValue::from_static("failed_before_commit"));
+                resp.headers_mut()
+                    .insert(STATUS, HeaderValue::from_static("failed_before_commit"));
                 resp
             }
-            None => Problem::new(Kind::UpstreamUnavailable, format!("{why}; nothing reached the downstream, a retry with the same key may execute"))
-                .execution(&self.id)
-                .header(STATUS, HeaderValue::from_static("failed_before_commit"))
-                .into_response(),
+            None => Problem::new(
+                Kind::UpstreamUnavailable,
+                format!(
+                    "{why}; nothing reached the downstream, a retry with the same key may execute"
+                ),
+            )
+            .execution(&self.id)
+            .header(STATUS, HeaderValue::from_static("failed_before_commit"))
+            .into_response(),
         }
     }
 
-    async fn finish_unknown(&self, record: Record, why: String, timeout: bool) -> Response<ProxyBody> {
+    async fn finish_unknown(
+        &self,
+        record: Record,
+        why: String,
+        timeout: bool,
+    ) -> Response<ProxyBody> {
         tracing::warn!(execution_id = %self.id, reason = %why, "outcome unknown");
-        if let Err(e) = self.transition(record, Event::LoseOutcome, Some(why.clone())).await {
+        if let Err(e) = self
+            .transition(record, Event::LoseOutcome, Some(why.clone()))
+            .await
+        {
             tracing::error!(execution_id = %self.id, error = %e, "could not record outcome_unknown");
         }
         self.unknown_problem(why, timeout)
     }
 
-    async fn finish_5xx_unknown(&self, record: Record, why: String, stored: StoredResponse) -> Response<ProxyBody> {
+    async fn finish_5xx_unknown(
+        &self,
+        record: Record,
+        why: String,
+        stored: StoredResponse,
+    ) -> Response<ProxyBody> {
         tracing::warn!(execution_id = %self.id, reason = %why, "outcome unknown");
         if let Err(e) = self.transition(record, Event::LoseOutcome, Some(why)).await {
             tracing::error!(execution_id = %self.id, error = %e, "could not record outcome_unknown");
         }
         let mut resp = stored_response(&stored, &self.id);
-        resp.headers_mut().insert(STATUS, HeaderValue::from_static("outcome_unknown"));
+        resp.headers_mut()
+            .insert(STATUS, HeaderValue::from_static("outcome_unknown"));
         resp
     }
 
     fn unknown_problem(&self, why: String, timeout: bool) -> Response<ProxyBody> {
-        let kind = if timeout { Kind::OutcomeUnknownTimeout } else { Kind::OutcomeUnknown };
-        Problem::new(kind, format!("{why}; the call may or may not have taken effect and will not be re-sent blindly"))
-            .execution(&self.id)
-            .header(STATUS, HeaderValue::from_static("outcome_unknown"))
-            .into_response()
+        let kind = if timeout {
+            Kind::OutcomeUnknownTimeout
+        } else {
+            Kind::OutcomeUnknown
+        };
+        Problem::new(
+            kind,
+            format!(
+                "{why}; the call may or may not have taken effect and will not be re-sent blindly"
+            ),
+        )
+        .execution(&self.id)
+        .header(STATUS, HeaderValue::from_static("outcome_unknown"))
+        .into_response()
     }
 
     /// The first answer: the stored response; `result_delivered` once the body is out.
     fn respond(&self, r: &Record, replayed: bool) -> Response<ProxyBody> {
         let Some(stored) = r.response.as_ref() else {
-            return Problem::new(Kind::Internal, "committed record has no stored response").execution(&self.id).into_response();
+            return Problem::new(Kind::Internal, "committed record has no stored response")
+                .execution(&self.id)
+                .into_response();
         };
         let mut resp = stored_response(stored, &self.id);
         if replayed {
-            resp.headers_mut().insert(REPLAYED, HeaderValue::from_static("true"));
+            resp.headers_mut()
+                .insert(REPLAYED, HeaderValue::from_static("true"));
         }
         if r.state() != State::Committed {
             return resp;
@@ -507,11 +650,18 @@ impl Decision {
 }
 
 fn stored_response(stored: &StoredResponse, id: &ExecutionId) -> Response<ProxyBody> {
-    let mut resp = Response::new(Full::new(Bytes::from(stored.body.clone())).map_err(|n| match n {}).boxed());
+    let mut resp = Response::new(
+        Full::new(Bytes::from(stored.body.clone()))
+            .map_err(|n| match n {})
+            .boxed(),
+    );
     *resp.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::BAD_GATEWAY);
     let h = resp.headers_mut();
     for (n, v) in &stored.headers {
-        if let (Ok(n), Ok(v)) = (http::HeaderName::from_bytes(n.as_bytes()), HeaderValue::from_bytes(v)) {
+        if let (Ok(n), Ok(v)) = (
+            http::HeaderName::from_bytes(n.as_bytes()),
+            HeaderValue::from_bytes(v),
+        ) {
             h.append(n, v);
         }
     }
@@ -524,7 +674,11 @@ fn preview(body: &[u8], pointers: &[String]) -> serde_json::Value {
     let parsed: Option<serde_json::Value> = serde_json::from_slice(body).ok();
     let mut out = serde_json::Map::new();
     for p in pointers {
-        let v = parsed.as_ref().and_then(|j| j.pointer(p)).cloned().unwrap_or(serde_json::Value::Null);
+        let v = parsed
+            .as_ref()
+            .and_then(|j| j.pointer(p))
+            .cloned()
+            .unwrap_or(serde_json::Value::Null);
         out.insert(p.clone(), v);
     }
     serde_json::Value::Object(out)

@@ -30,6 +30,7 @@ pub struct ListFilter {
     pub operation: Option<String>,
     /// Exclusive cursor: the last id of the previous page.
     pub after: Option<ExecutionId>,
+    /// Page size; 0 returns an empty page.
     pub limit: usize,
 }
 
@@ -56,7 +57,8 @@ pub enum StoreError {
 pub type StoreResult<T> = Result<T, StoreError>;
 
 /// The durable record store. Implementations must make every successful write durable
-/// (fsync'd or committed) before returning.
+/// (fsync'd or committed) before returning. A write whose future is dropped after it was
+/// submitted may still be applied: callers re-read rather than assume it was not.
 #[async_trait]
 pub trait Store: Send + Sync + 'static {
     /// Atomically insert `record` unless a record with the same id exists.
@@ -78,7 +80,8 @@ pub trait Store: Send + Sync + 'static {
     async fn stale_executing(&self, now_ms: i64, limit: usize) -> StoreResult<Vec<Record>>;
 
     /// Extend the lease of every `executing` record owned by `owner` to `until_ms`.
-    /// Returns how many were renewed.
+    /// Returns how many were renewed. Does NOT bump `version`: a heartbeat must not make
+    /// the owner's own next update a conflict. Takeover goes through `update`.
     async fn renew_leases(&self, owner: &str, until_ms: i64) -> StoreResult<u64>;
 
     /// Delete up to `limit` records whose retention ended before `now_ms` and that are not

@@ -49,7 +49,8 @@ pub struct HistoryEntry {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Record {
     pub id: ExecutionId,
-    /// Fencing token: bumped by the store on every write; updates are compare-and-set on it.
+    /// Fencing token: bumped by the store on every `update` (not on lease renewal); updates
+    /// are compare-and-set on it.
     pub version: u64,
     state: State,
     pub tenant: TenantScope,

@@ -16,7 +16,9 @@ pub fn full(b: impl Into<Bytes>) -> ProxyBody {
 }
 
 pub fn empty() -> ProxyBody {
-    Empty::<Bytes>::new().map_err(|never| match never {}).boxed()
+    Empty::<Bytes>::new()
+        .map_err(|never| match never {})
+        .boxed()
 }
 
 /// A body that runs `on_end` once its last frame has been taken by hyper. If the client

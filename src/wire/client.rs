@@ -27,7 +27,10 @@ pub enum ClientBuildError {
 }
 
 /// Build a pooled client. `ca_file` adds trusted roots (PEM) beside the webpki set.
-pub fn build(connect_timeout: Duration, ca_file: Option<&Path>) -> Result<HttpClient, ClientBuildError> {
+pub fn build(
+    connect_timeout: Duration,
+    ca_file: Option<&Path>,
+) -> Result<HttpClient, ClientBuildError> {
     let mut roots = rustls::RootCertStore::empty();
     roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
     if let Some(path) = ca_file {

@@ -43,7 +43,12 @@ pub fn is_hop_by_hop(name: &HeaderName) -> bool {
 /// Set the headers a downstream expects from a proxy: `Host` is the upstream's authority
 /// (APIs route on it), the original host goes to `X-Forwarded-Host`, the client address is
 /// appended to `X-Forwarded-For`.
-pub fn set_forwarded(h: &mut HeaderMap, upstream_authority: &str, client: SocketAddr, original_host: Option<HeaderValue>) {
+pub fn set_forwarded(
+    h: &mut HeaderMap,
+    upstream_authority: &str,
+    client: SocketAddr,
+    original_host: Option<HeaderValue>,
+) {
     if let Some(host) = original_host {
         h.insert(HeaderName::from_static("x-forwarded-host"), host);
     }
@@ -59,7 +64,10 @@ pub fn set_forwarded(h: &mut HeaderMap, upstream_authority: &str, client: Socket
     if let Ok(v) = HeaderValue::from_str(&value) {
         h.insert(xff, v);
     }
-    h.insert(HeaderName::from_static("x-forwarded-proto"), HeaderValue::from_static("http"));
+    h.insert(
+        HeaderName::from_static("x-forwarded-proto"),
+        HeaderValue::from_static("http"),
+    );
 }
 
 #[cfg(test)]
@@ -69,10 +77,16 @@ mod tests {
     #[test]
     fn strips_hop_by_hop_and_connection_named() {
         let mut h = HeaderMap::new();
-        h.insert(header::CONNECTION, HeaderValue::from_static("keep-alive, x-secret-hop"));
+        h.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("keep-alive, x-secret-hop"),
+        );
         h.insert("x-secret-hop", HeaderValue::from_static("1"));
         h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
-        h.insert(header::TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
+        h.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
         h.insert("x-keep", HeaderValue::from_static("1"));
         strip_hop_by_hop(&mut h);
         assert_eq!(h.len(), 1);
@@ -83,7 +97,12 @@ mod tests {
     fn forwarded_headers_append() {
         let mut h = HeaderMap::new();
         h.insert("x-forwarded-for", HeaderValue::from_static("10.0.0.1"));
-        set_forwarded(&mut h, "api.example.com", "127.0.0.9:5".parse().expect("addr"), Some(HeaderValue::from_static("proxy:8080")));
+        set_forwarded(
+            &mut h,
+            "api.example.com",
+            "127.0.0.9:5".parse().expect("addr"),
+            Some(HeaderValue::from_static("proxy:8080")),
+        );
         assert_eq!(h["x-forwarded-for"], "10.0.0.1, 127.0.0.9");
         assert_eq!(h["host"], "api.example.com");
         assert_eq!(h["x-forwarded-host"], "proxy:8080");

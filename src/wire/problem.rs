@@ -65,7 +65,9 @@ impl Kind {
             Kind::KeyMissing | Kind::KeyInvalid | Kind::BadRequest => StatusCode::BAD_REQUEST,
             Kind::KeyMismatch => StatusCode::UNPROCESSABLE_ENTITY,
             Kind::InFlight | Kind::Cancelled | Kind::Conflict => StatusCode::CONFLICT,
-            Kind::OutcomeUnknown | Kind::UpstreamUnavailable | Kind::ResponseTooLarge => StatusCode::BAD_GATEWAY,
+            Kind::OutcomeUnknown | Kind::UpstreamUnavailable | Kind::ResponseTooLarge => {
+                StatusCode::BAD_GATEWAY
+            }
             Kind::OutcomeUnknownTimeout | Kind::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
             Kind::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Kind::ApprovalRequired => StatusCode::PRECONDITION_REQUIRED,
@@ -156,8 +158,14 @@ impl Problem {
         let mut resp = Response::new(full(bytes));
         *resp.status_mut() = status;
         let h = resp.headers_mut();
-        h.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
-        h.insert(http::header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+        h.insert(
+            http::header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        h.insert(
+            http::header::CACHE_CONTROL,
+            HeaderValue::from_static("no-store"),
+        );
         if let Some(id) = &self.execution_id {
             if let Ok(v) = HeaderValue::from_str(id.as_str()) {
                 h.insert(super::headers::EXECUTION_ID, v);
@@ -184,7 +192,12 @@ mod tests {
         assert_eq!(resp.status(), 422);
         assert_eq!(resp.headers()["content-type"], "application/problem+json");
         assert_eq!(resp.headers()["idempotency-execution-id"], "ex_1");
-        let body = resp.into_body().collect().await.expect("full body").to_bytes();
+        let body = resp
+            .into_body()
+            .collect()
+            .await
+            .expect("full body")
+            .to_bytes();
         let v: Value = serde_json::from_slice(&body).expect("json");
         assert_eq!(v["type"], "urn:idemproxy:problem:key-mismatch");
         assert_eq!(v["status"], 422);

@@ -27,7 +27,10 @@ pub async fn serve<H, F>(
     F: Future<Output = Response<ProxyBody>> + Send + 'static,
 {
     let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder.http1().keep_alive(true).timer(hyper_util::rt::TokioTimer::new());
+    builder
+        .http1()
+        .keep_alive(true)
+        .timer(hyper_util::rt::TokioTimer::new());
     builder.http2().timer(hyper_util::rt::TokioTimer::new());
     let graceful = GracefulShutdown::new();
     tokio::pin!(shutdown);

@@ -111,7 +111,10 @@ impl ProxyProc {
             if let Some(st) = self.child.try_wait().expect("try_wait") {
                 return st;
             }
-            assert!(Instant::now() < deadline, "proxy did not exit after SIGTERM");
+            assert!(
+                Instant::now() < deadline,
+                "proxy did not exit after SIGTERM"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -129,7 +132,10 @@ impl ProxyProc {
             }
             std::thread::sleep(Duration::from_millis(10));
         }
-        panic!("no log line containing {needle:?}; stderr:\n{}", self.stderr_lines().join("\n"));
+        panic!(
+            "no log line containing {needle:?}; stderr:\n{}",
+            self.stderr_lines().join("\n")
+        );
     }
 }
 
@@ -142,7 +148,10 @@ impl Drop for ProxyProc {
 
 /// Run the CLI with arguments; returns its output.
 pub fn cli(args: &[&str]) -> Output {
-    Command::new(BIN).args(args).output().expect("run idemproxy")
+    Command::new(BIN)
+        .args(args)
+        .output()
+        .expect("run idemproxy")
 }
 
 /// A response as a test sees it.
@@ -155,13 +164,18 @@ pub struct Resp {
 
 impl Resp {
     pub fn json(&self) -> serde_json::Value {
-        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("body is not JSON ({e}): {:?}", self.body))
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("body is not JSON ({e}): {:?}", self.body))
     }
     pub fn header(&self, name: &str) -> Option<&str> {
         self.headers.get(name).and_then(|v| v.to_str().ok())
     }
     pub fn problem_type(&self) -> String {
-        assert_eq!(self.header("content-type"), Some("application/problem+json"), "not a problem: {self:?}");
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/problem+json"),
+            "not a problem: {self:?}"
+        );
         self.json()["type"].as_str().unwrap_or_default().to_string()
     }
 }
@@ -173,15 +187,25 @@ pub fn client() -> TestClient {
 }
 
 pub fn h2_client() -> TestClient {
-    Client::builder(TokioExecutor::new()).http2_only(true).build_http()
+    Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build_http()
 }
 
-pub async fn send(c: &TestClient, method: Method, url: &str, headers: &[(&str, &str)], body: &str) -> Resp {
+pub async fn send(
+    c: &TestClient,
+    method: Method,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Resp {
     let mut req = Request::builder().method(method).uri(url);
     for (k, v) in headers {
         req = req.header(*k, *v);
     }
-    let req = req.body(Full::new(Bytes::from(body.to_string()))).expect("request builds");
+    let req = req
+        .body(Full::new(Bytes::from(body.to_string())))
+        .expect("request builds");
     let resp = c.request(req).await.expect("proxy answers");
     let (parts, body) = resp.into_parts();
     let body = body.collect().await.expect("body").to_bytes();
@@ -237,7 +261,20 @@ upstreams:
 
 /// Run `idemproxy records list` against a stopped proxy's config; returns stdout lines.
 pub fn records(config: &Path) -> Vec<String> {
-    let out = cli(&["records", "list", "--config", config.to_str().expect("utf-8 path")]);
-    assert!(out.status.success(), "records list failed: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8_lossy(&out.stdout).lines().skip(1).map(str::to_string).collect()
+    let out = cli(&[
+        "records",
+        "list",
+        "--config",
+        config.to_str().expect("utf-8 path"),
+    ]);
+    assert!(
+        out.status.success(),
+        "records list failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .skip(1)
+        .map(str::to_string)
+        .collect()
 }
