@@ -13,6 +13,7 @@
 pub mod app;
 pub mod config;
 pub mod failpoint;
+pub mod metrics;
 pub mod policy;
 pub mod proxy;
 pub mod store;

@@ -45,6 +45,7 @@ pub struct Proxy {
     pub store: Arc<dyn Store>,
     /// This instance's lease owner id (unique per process start).
     pub owner: String,
+    pub metrics: crate::metrics::Metrics,
 }
 
 impl Proxy {
@@ -59,6 +60,7 @@ impl Proxy {
             runtime: RwLock::new(Arc::new(runtime)),
             store,
             owner,
+            metrics: crate::metrics::Metrics::new(),
         })
     }
 

@@ -16,6 +16,7 @@ use hyper::body::Incoming;
 use super::{downstream, passthrough, Proxy, Runtime};
 use crate::config::{Concurrent, On5xx, Route};
 use crate::failpoint;
+use crate::metrics::{Metrics, RouteLabels};
 use crate::policy::classify::Target;
 use crate::policy::fingerprint::{args_hash, RequestParts};
 use crate::policy::identity::{self, ArgsHash, ExecutionId, KeyLookup, TenantScope};
@@ -64,6 +65,11 @@ pub async fn handle(
         }
         KeyLookup::Missing => {
             tracing::warn!(upstream = %target.upstream.name, route = %route.name, "side effect forwarded without a key (unprotected)");
+            proxy
+                .metrics
+                .unprotected
+                .get_or_create(&Metrics::labels(&target.upstream.name, &route.name))
+                .inc();
             return passthrough::forward(rt, client, target, req, peer, false).await;
         }
         KeyLookup::Invalid(why) => return Problem::new(Kind::KeyInvalid, why).into_response(),
@@ -170,6 +176,14 @@ impl Call<'_> {
         self.target.route
     }
 
+    fn labels(&self) -> RouteLabels {
+        Metrics::labels(&self.target.upstream.name, &self.route().name)
+    }
+
+    fn metrics(&self) -> &Metrics {
+        &self.proxy.metrics
+    }
+
     async fn run(self) -> Response<ProxyBody> {
         let deadline = tokio::time::Instant::now() + self.rt.config.timeouts.wait;
         let mut pause = Duration::from_millis(5);
@@ -262,6 +276,25 @@ impl Call<'_> {
 
     /// The policy for a record that already exists (SPEC section 6).
     fn decide(&self, r: &Record) -> Decision {
+        let decision = self.decide_inner(r);
+        if matches!(decision, Decision::Respond(_))
+            && matches!(
+                r.state(),
+                State::Committed
+                    | State::ResultDelivered
+                    | State::Executing
+                    | State::OutcomeUnknown
+            )
+        {
+            self.metrics()
+                .duplicates_prevented
+                .get_or_create(&self.labels())
+                .inc();
+        }
+        decision
+    }
+
+    fn decide_inner(&self, r: &Record) -> Decision {
         if r.args_hash != self.args {
             return Decision::Respond(
                 Problem::new(
@@ -372,6 +405,7 @@ impl Call<'_> {
             body::full(self.body.clone()),
         );
         tracing::info!(execution_id = %self.id, upstream = %upstream.name, route = %route.name, attempt = record.attempts, "executing");
+        self.metrics().attempts.get_or_create(&self.labels()).inc();
         let started = tokio::time::Instant::now();
         let sent = tokio::time::timeout(route.timeout, async {
             let resp = self
@@ -396,6 +430,10 @@ impl Call<'_> {
         })
         .await;
         let elapsed = started.elapsed();
+        self.metrics()
+            .upstream_duration
+            .get_or_create(&self.labels())
+            .observe(elapsed.as_secs_f64());
         match sent {
             Err(_) => {
                 let why = format!("no complete answer within {:?}", route.timeout);
@@ -632,6 +670,7 @@ impl Call<'_> {
 
     fn replay(&self, r: &Record) -> Response<ProxyBody> {
         tracing::info!(execution_id = %self.id, "replayed stored result");
+        self.metrics().replays.get_or_create(&self.labels()).inc();
         self.respond(r, true)
     }
 }

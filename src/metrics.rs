@@ -1,0 +1,153 @@
+//! Prometheus metrics (SPEC section 10), every family labelled by upstream and route.
+//! prometheus-client is the Prometheus project's own Rust client: typed label sets, no
+//! global registry, OpenMetrics text encoding. Counter names get `_total` from the encoder.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RouteLabels {
+    pub upstream: String,
+    pub route: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabels {
+    pub upstream: String,
+    pub route: String,
+    pub result: String,
+}
+
+type HistogramFamily = Family<RouteLabels, Histogram, fn() -> Histogram>;
+
+pub struct Metrics {
+    registry: Registry,
+    pub attempts: Family<RouteLabels, Counter>,
+    pub replays: Family<RouteLabels, Counter>,
+    pub duplicates_prevented: Family<RouteLabels, Counter>,
+    pub outcome_unknown: Family<RouteLabels, Counter>,
+    pub reconciliations: Family<ResultLabels, Counter>,
+    pub unprotected: Family<RouteLabels, Counter>,
+    pub upstream_duration: HistogramFamily,
+}
+
+fn latency_histogram() -> Histogram {
+    // 0.5 ms .. ~16 s
+    Histogram::new(exponential_buckets(0.0005, 2.0, 16))
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let mut registry = Registry::default();
+        let attempts = Family::<RouteLabels, Counter>::default();
+        let replays = Family::<RouteLabels, Counter>::default();
+        let duplicates_prevented = Family::<RouteLabels, Counter>::default();
+        let outcome_unknown = Family::<RouteLabels, Counter>::default();
+        let reconciliations = Family::<ResultLabels, Counter>::default();
+        let unprotected = Family::<RouteLabels, Counter>::default();
+        let upstream_duration: HistogramFamily = Family::new_with_constructor(latency_histogram);
+        registry.register(
+            "idemproxy_attempts",
+            "Side-effect requests sent downstream",
+            attempts.clone(),
+        );
+        registry.register(
+            "idemproxy_replays",
+            "Retries answered from a stored result",
+            replays.clone(),
+        );
+        registry.register(
+            "idemproxy_duplicates_prevented",
+            "Retries that did not reach the downstream because a record existed (replayed, in flight, or outcome unknown)",
+            duplicates_prevented.clone(),
+        );
+        registry.register(
+            "idemproxy_outcome_unknown",
+            "Executions that ended with an unknown outcome",
+            outcome_unknown.clone(),
+        );
+        registry.register(
+            "idemproxy_reconciliations",
+            "Reconciliations of unknown outcomes, by result",
+            reconciliations.clone(),
+        );
+        registry.register(
+            "idemproxy_unprotected",
+            "Side-effect requests forwarded without a key (key_required: false)",
+            unprotected.clone(),
+        );
+        registry.register(
+            "idemproxy_upstream_duration_seconds",
+            "Time from sending a side effect downstream to its complete answer",
+            upstream_duration.clone(),
+        );
+        Metrics {
+            registry,
+            attempts,
+            replays,
+            duplicates_prevented,
+            outcome_unknown,
+            reconciliations,
+            unprotected,
+            upstream_duration,
+        }
+    }
+
+    pub fn labels(upstream: &str, route: &str) -> RouteLabels {
+        RouteLabels {
+            upstream: upstream.to_string(),
+            route: route.to_string(),
+        }
+    }
+
+    pub fn reconciled(&self, upstream: &str, route: &str, result: &str) {
+        self.reconciliations
+            .get_or_create(&ResultLabels {
+                upstream: upstream.to_string(),
+                route: route.to_string(),
+                result: result.to_string(),
+            })
+            .inc();
+    }
+
+    /// OpenMetrics text for `GET /metrics`.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.registry)
+            .expect("writing to a String cannot fail");
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn families_are_named_as_the_spec_says() {
+        let m = Metrics::new();
+        let l = Metrics::labels("mail", "send_email");
+        m.attempts.get_or_create(&l).inc();
+        m.replays.get_or_create(&l).inc();
+        m.reconciled("mail", "send_email", "found");
+        m.upstream_duration.get_or_create(&l).observe(0.01);
+        let text = m.encode();
+        for name in [
+            "idemproxy_attempts_total{upstream=\"mail\",route=\"send_email\"} 1",
+            "idemproxy_replays_total{upstream=\"mail\",route=\"send_email\"} 1",
+            "idemproxy_reconciliations_total{upstream=\"mail\",route=\"send_email\",result=\"found\"} 1",
+            "idemproxy_upstream_duration_seconds_count{upstream=\"mail\",route=\"send_email\"} 1",
+        ] {
+            assert!(text.contains(name), "missing {name} in\n{text}");
+        }
+    }
+}
