@@ -1,0 +1,226 @@
+#!/usr/bin/env python3
+"""Turns benches/run.sh results into the tables of docs/PERFORMANCE.md.
+
+  report.py parse-wrk --run N --group G --name X --conns C --method M < wrk-output
+      one JSON line from the BENCH_RESULT line benches/wrk/request.lua prints
+  report.py render --results FILE [--doc docs/PERFORMANCE.md --command CMD]
+      markdown tables and target ratios per run; with --doc, replaces the text between
+      the bench markers in the doc (the rest of the doc is written by hand)
+"""
+
+import argparse
+import json
+import re
+import sys
+
+BEGIN = "<!-- bench:begin (written by benches/run.sh; edits here are overwritten) -->"
+END = "<!-- bench:end -->"
+MIB = 1024 * 1024
+
+
+def parse_wrk(a):
+    text = sys.stdin.read()
+    m = re.search(r"^BENCH_RESULT (.*)$", text, re.M)
+    row = {"kind": "wrk", "run": a.run, "group": a.group, "name": a.name,
+           "conns": a.conns, "method": a.method}
+    if not m:
+        row["error"] = text.strip()[-400:]
+        print(json.dumps(row))
+        return
+    f = {k: int(v) for k, v in (kv.split("=") for kv in m.group(1).split())}
+    row.update(
+        requests=f["requests"],
+        rps=f["requests"] / (f["duration_us"] / 1e6),
+        p50_ms=f["p50_us"] / 1000, p90_ms=f["p90_us"] / 1000,
+        p99_ms=f["p99_us"] / 1000, max_ms=f["max_us"] / 1000,
+        non2xx=f["status"], socket_errors=f["connect"] + f["read"] + f["write"] + f["timeout"],
+    )
+    print(json.dumps(row))
+
+
+def fmt_rps(x):
+    return f"{x:,.0f}"
+
+
+def verdict(ok):
+    return "**met**" if ok else "**not met**"
+
+
+def render_run(run, rows):
+    wrk = {r["name"]: r for r in rows if r["kind"] == "wrk"}
+    base = next((r for r in rows if r["kind"] == "baseline"), None)
+    rss = {r["name"]: r for r in rows if r["kind"] == "rss"}
+    churn = next((r for r in rows if r["kind"] == "churn"), None)
+    prefills = [r for r in rows if r["kind"] == "prefill"]
+    out = [f"### Run {run}", ""]
+
+    labels = {
+        "direct-get": "upstream direct, GET",
+        "nginx-get": "nginx reverse proxy, GET",
+        "idemproxy-get": "idemproxy read-only pass-through, GET",
+        "direct-post": "upstream direct, POST 512 B JSON",
+        "nginx-post": "nginx reverse proxy, POST 512 B JSON",
+        "idemproxy-post": "idemproxy read-only pass-through, POST 512 B JSON",
+        "replay-post": "idemproxy replays (10k stored, random keys), POST 512 B",
+    }
+    order = ["direct-get", "nginx-get", "idemproxy-get", "direct-post", "nginx-post",
+             "idemproxy-post", "replay-post"]
+    order += sorted((n for n in wrk if n.startswith("first-post-c")),
+                    key=lambda n: int(n.rsplit("c", 1)[1]))
+    order += [n for n in wrk if n.startswith("idemproxy-get-c")]
+    out += ["| scenario | conns | req/s | p50 ms | p99 ms | non-2xx | socket errors |",
+            "|---|---:|---:|---:|---:|---:|---:|"]
+    for n in order:
+        r = wrk.get(n)
+        if not r:
+            continue
+        label = labels.get(n, n)
+        if n.startswith("first-post-c"):
+            label = "idemproxy first executions (unique keys), POST 512 B"
+        if n.startswith("idemproxy-get-c"):
+            label = "idemproxy read-only pass-through, GET"
+        if "error" in r:
+            out.append(f"| {label} | {r['conns']} | failed: {r['error'][:80]} | | | | |")
+            continue
+        out.append(f"| {label} | {r['conns']} | {fmt_rps(r['rps'])} | {r['p50_ms']:.2f} | "
+                   f"{r['p99_ms']:.2f} | {r['non2xx']} | {r['socket_errors']} |")
+    out.append("")
+
+    if base:
+        out += ["One durable commit per state write (same store, sequential, every write "
+                "waits for its own `Durability::Immediate` commit):", "",
+                "| measure | value |", "|---|---:|",
+                f"| raw redb commits/s (one 1 KiB insert each) | {fmt_rps(base['raw_commits_per_s'])} |",
+                f"| store writes/s (claim or update, one per commit) | {fmt_rps(base['writes_per_s'])} |",
+                f"| store write latency p50 / p99 ms | {base['write_p50_ms']:.2f} / {base['write_p99_ms']:.2f} |",
+                f"| executions/s (claim `executing` + update `committed`) | {fmt_rps(base['executions_per_s'])} |",
+                ""]
+
+    scale = sorted(((int(n.split("-")[1]), r) for n, r in wrk.items()
+                    if n.startswith("replay-") and n != "replay-post"), key=lambda x: x[0])
+    if scale:
+        files = {}
+        total = 0
+        for p in prefills:
+            total += p["records"]
+            files[total] = p["file_bytes"]
+        out += ["Replays against a growing store (random keys over all stored records, "
+                f"{scale[0][1]['conns']} connections):", "",
+                "| stored records | file MiB | req/s | p50 ms | p99 ms | non-2xx |",
+                "|---:|---:|---:|---:|---:|---:|"]
+        for n, r in scale:
+            if "error" in r:
+                out.append(f"| {n:,} | | failed | | | |")
+                continue
+            fb = files.get(n)
+            out.append(f"| {n:,} | {fb / MIB:,.0f} | {fmt_rps(r['rps'])} | {r['p50_ms']:.2f} | "
+                       f"{r['p99_ms']:.2f} | {r['non2xx']} |" if fb else
+                       f"| {n:,} | | {fmt_rps(r['rps'])} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['non2xx']} |")
+        out.append("")
+
+    if churn:
+        live = max(churn["live_bytes"], 1)
+        out += [f"Churn: first executions for {churn['seconds']} s with 5 s retention and gc "
+                "every second:", "",
+                "| measure | value |", "|---|---:|",
+                f"| requests in the churn run | {wrk.get('first-post-churn', {}).get('requests', 0):,} |",
+                f"| live records at the end | {churn['records']:,} |",
+                f"| live data (record keys + values + index entries) | {churn['live_bytes'] / MIB:.2f} MiB |",
+                f"| largest file size seen | {churn['max_file_bytes'] / MIB:.2f} MiB |",
+                f"| file after the run | {churn['file_bytes'] / MIB:.2f} MiB ({churn['file_bytes'] / live:.1f}× live) |",
+                f"| file after a restart (startup compaction) | {churn['file_after_restart'] / MIB:.2f} MiB ({churn['file_after_restart'] / live:.1f}× live) |",
+                ""]
+
+    # Targets, as ratios within this run only.
+    t = ["| target | measured | verdict |", "|---|---|---|"]
+
+    def ratio_row(name, a, b, need, what):
+        if a in wrk and b in wrk and "rps" in wrk[a] and "rps" in wrk[b]:
+            x = wrk[a]["rps"] / wrk[b]["rps"]
+            t.append(f"| {what} ≥ {need}× | {x:.2f}× ({fmt_rps(wrk[a]['rps'])} vs {fmt_rps(wrk[b]['rps'])}) | {verdict(x >= need)} |")
+
+    def p99_row(a, b, what):
+        if a in wrk and b in wrk and "p99_ms" in wrk[a] and "p99_ms" in wrk[b]:
+            pa, pb = wrk[a]["p99_ms"], wrk[b]["p99_ms"]
+            t.append(f"| {what} p99 ≤ nginx + 0.3 ms | {pa:.2f} ms vs {pb:.2f} ms ({pa - pb:+.2f}) | {verdict(pa <= pb + 0.3)} |")
+
+    ratio_row("get", "idemproxy-get", "nginx-get", 1.0, "pass-through GET throughput vs nginx")
+    p99_row("idemproxy-get", "nginx-get", "pass-through GET")
+    ratio_row("post", "idemproxy-post", "nginx-post", 1.0, "pass-through POST throughput vs nginx")
+    p99_row("idemproxy-post", "nginx-post", "pass-through POST")
+    ratio_row("replay", "replay-post", "nginx-post", 1.5, "replays vs nginx pass-through (same POST)")
+    first = next((wrk[n] for n in wrk if n == "first-post-c64"), None)
+    if first and base and "rps" in first:
+        x = first["rps"] / base["executions_per_s"]
+        t.append(f"| first executions, 64 clients, vs one commit per write ≥ 4× | {x:.1f}× "
+                 f"({fmt_rps(first['rps'])} vs {fmt_rps(base['executions_per_s'])} executions/s) | {verdict(x >= 4)} |")
+    for name, r in rss.items():
+        mib = r["vmhwm_kib"] / 1024
+        if name.startswith("c"):
+            t.append(f"| peak RSS with {name[1:]} connections ≤ 64 MiB | {mib:.1f} MiB (VmHWM) | {verdict(mib <= 64)} |")
+        else:
+            t.append(f"| peak RSS of the proxy over the rows above (≤ 64 MiB) | {mib:.1f} MiB (VmHWM) | {verdict(mib <= 64)} |")
+    if len(scale) >= 2 and all("p99_ms" in r for _, r in scale):
+        lo, hi = scale[0], scale[-1]
+        x = hi[1]["p99_ms"] / max(lo[1]["p99_ms"], 1e-9)
+        worst = max(r["p99_ms"] for _, r in scale)
+        best = min(r["p99_ms"] for _, r in scale)
+        flat = x <= 1.5
+        t.append(f"| replay p99 flat from {lo[0]:,} to {hi[0]:,} records (last / first ≤ 1.5) | "
+                 f"{lo[1]['p99_ms']:.2f} → {hi[1]['p99_ms']:.2f} ms ({x:.2f}×; range {best:.2f}–{worst:.2f}) | {verdict(flat)} |")
+    if churn:
+        live = max(churn["live_bytes"], 1)
+        x = churn["max_file_bytes"] / live
+        t.append(f"| file under churn within 4× live data | largest {x:.1f}× live | {verdict(x <= 4)} |")
+    out += ["Targets (ratios within this run):", ""] + t + [""]
+    return out
+
+
+def render(a):
+    rows = [json.loads(l) for l in open(a.results) if l.strip()]
+    machine = next((r for r in rows if r["kind"] == "machine"), {})
+    out = [BEGIN, ""]
+    if machine:
+        out += [f"Machine: {machine['nproc']} cores ({machine['cpu']}), Linux {machine['kernel']}, "
+                f"load average at start {' '.join(machine['loadavg'])}; {machine['nginx']}; "
+                f"client `{machine['wrk']}` unless the row says otherwise, the same Lua request "
+                f"generator for every row (benches/wrk/request.lua).", ""]
+    if a.command:
+        out += [f"Command: `{a.command}`", ""]
+    runs = sorted({r["run"] for r in rows if "run" in r})
+    for run in runs:
+        out += render_run(run, [r for r in rows if r.get("run") == run])
+    out.append(END)
+    text = "\n".join(out) + "\n"
+    if not a.doc:
+        sys.stdout.write(text)
+        return
+    try:
+        doc = open(a.doc).read()
+    except FileNotFoundError:
+        doc = "# Performance\n\n" + BEGIN + "\n" + END + "\n"
+    if BEGIN not in doc or END not in doc:
+        doc = doc.rstrip("\n") + "\n\n" + BEGIN + "\n" + END + "\n"
+    head, rest = doc.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    open(a.doc, "w").write(head + text.rstrip("\n") + tail)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers(dest="cmd", required=True)
+    w = sub.add_parser("parse-wrk")
+    for f in ("--group", "--name", "--method"):
+        w.add_argument(f, required=True)
+    w.add_argument("--run", type=int, required=True)
+    w.add_argument("--conns", type=int, required=True)
+    r = sub.add_parser("render")
+    r.add_argument("--results", required=True)
+    r.add_argument("--doc")
+    r.add_argument("--command")
+    a = p.parse_args()
+    parse_wrk(a) if a.cmd == "parse-wrk" else render(a)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,345 @@
+#!/usr/bin/env bash
+# The idemproxy benchmark: one run measures, with the same wrk client settings, the
+# upstream directly, nginx as a keep-alive reverse proxy, and idemproxy (read-only
+# pass-through, first executions, replays), plus the one-commit-per-write baseline, peak
+# RSS with 1,000 connections, replay latency from 1k to 1M stored records, and file growth
+# under churn. Results go to docs/PERFORMANCE.md (between the bench markers).
+#
+#   benches/run.sh                 # full benchmark, twice (RUNS=2), writes the doc
+#   RUNS=1 DURATION=5 benches/run.sh --no-doc      # quicker look, doc untouched
+#   benches/run.sh --only passthrough              # one scenario group (see `groups` below)
+#
+# Everything it starts (two nginx instances, idemproxy) runs from a temp dir and is
+# stopped by PID on exit.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+RUNS=${RUNS:-2}
+DURATION=${DURATION:-10}   # seconds per wrk measurement
+THREADS=${THREADS:-2}      # wrk threads
+CONNS=${CONNS:-32}         # the common client setting
+CONNS_FIRST=${CONNS_FIRST:-64}
+CONNS_RSS=${CONNS_RSS:-1000}
+SCALES=${SCALES:-"1000 10000 100000 1000000"}
+CHURN_SECONDS=${CHURN_SECONDS:-30}
+WRITE_DOC=1
+ONLY=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --no-doc) WRITE_DOC=0 ;;
+    --only) ONLY="$2"; shift ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    *) echo "unknown argument $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+
+log() { echo "[bench $(date +%H:%M:%S)] $*" >&2; }
+want() { [ -z "$ONLY" ] || [ "$ONLY" = "$1" ]; }
+
+# --- tools -------------------------------------------------------------------------------
+need=()
+command -v wrk >/dev/null || need+=(wrk)
+command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || need+=(nginx)
+if [ ${#need[@]} -gt 0 ]; then
+  log "installing ${need[*]} from Debian's packages"
+  apt-get install -y "${need[@]}" >/dev/null 2>&1 || { apt-get update >/dev/null && apt-get install -y "${need[@]}" >/dev/null; }
+fi
+NGINX=$(command -v nginx || echo /usr/sbin/nginx)
+command -v python3 >/dev/null || { echo "python3 is needed for the report" >&2; exit 1; }
+
+log "building (cargo build --release, store bench tool)"
+(cd "$ROOT" && cargo build --release --bins -q)
+STORE_TOOL=$(cd "$ROOT" && cargo bench --bench store --no-run 2>&1 | sed -n 's/.*(\(target\/release\/deps\/store-[0-9a-f]*\)).*/\1/p' | tail -1)
+[ -n "$STORE_TOOL" ] || { echo "cannot find the store bench binary" >&2; exit 1; }
+STORE_TOOL="$ROOT/$STORE_TOOL"
+PROXY_BIN="$ROOT/target/release/idemproxy"
+
+WORK=$(mktemp -d /tmp/idemproxy-bench.XXXXXX)
+RESULTS="$WORK/results.jsonl"
+: > "$RESULTS"
+PIDS=()
+cleanup() {
+  for p in "${PIDS[@]:-}"; do
+    [ -n "$p" ] && kill "$p" 2>/dev/null || true
+  done
+  for p in "${PIDS[@]:-}"; do
+    [ -n "$p" ] && wait "$p" 2>/dev/null || true
+  done
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+wait_port() {
+  for _ in $(seq 1 200); do
+    (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0
+    sleep 0.05
+  done
+  echo "nothing listens on $1" >&2; return 1
+}
+
+stop_pid() {
+  kill "$1" 2>/dev/null || true
+  wait "$1" 2>/dev/null || true
+  local keep=()
+  for p in "${PIDS[@]}"; do [ "$p" != "$1" ] && keep+=("$p"); done
+  PIDS=("${keep[@]:-}")
+}
+
+# --- the upstream: nginx answering static JSON -------------------------------------------
+# The same, fast upstream behind every proxy: nginx `return` answers without touching
+# disk, so what differs between rows is the proxy. One worker keeps it off the second core.
+start_upstream() {
+  UP_PORT=$(free_port)
+  local d="$WORK/upstream"; mkdir -p "$d/tmp"
+  cat > "$d/nginx.conf" <<EOF
+worker_processes 1;
+daemon off;
+pid $d/nginx.pid;
+error_log $d/error.log warn;
+events { worker_connections 8192; }
+http {
+  access_log off;
+  client_body_temp_path $d/tmp; proxy_temp_path $d/tmp; fastcgi_temp_path $d/tmp;
+  uwsgi_temp_path $d/tmp; scgi_temp_path $d/tmp;
+  keepalive_requests 10000000;
+  keepalive_timeout 300s;
+  default_type application/json;
+  server {
+    listen 127.0.0.1:$UP_PORT backlog=4096;
+    location = /weather { return 200 '{"city":"paris","temp_c":21,"conditions":"clear"}'; }
+    location = /send { return 201 '{"id":"msg_1","status":"queued"}'; }
+    location / { return 200 '{"ok":true}'; }
+  }
+}
+EOF
+  "$NGINX" -p "$d" -c "$d/nginx.conf" &
+  UP_PID=$!; PIDS+=("$UP_PID")
+  wait_port "$UP_PORT"
+}
+
+# --- nginx as the reverse proxy users already trust --------------------------------------
+# Keep-alive to the upstream, HTTP/1.1, the same forwarding headers idemproxy sets, and
+# worker_processes auto (2 here), like idemproxy's two runtime threads.
+start_nginx_proxy() {
+  NG_PORT=$(free_port)
+  local d="$WORK/nginx-proxy"; mkdir -p "$d/tmp"
+  cat > "$d/nginx.conf" <<EOF
+worker_processes auto;
+daemon off;
+pid $d/nginx.pid;
+error_log $d/error.log warn;
+events { worker_connections 8192; }
+http {
+  access_log off;
+  client_body_temp_path $d/tmp; proxy_temp_path $d/tmp; fastcgi_temp_path $d/tmp;
+  uwsgi_temp_path $d/tmp; scgi_temp_path $d/tmp;
+  keepalive_requests 10000000;
+  keepalive_timeout 300s;
+  upstream up {
+    server 127.0.0.1:$UP_PORT;
+    keepalive 256;
+    keepalive_requests 10000000;
+  }
+  server {
+    listen 127.0.0.1:$NG_PORT backlog=4096;
+    location /api/ {
+      proxy_pass http://up/;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_set_header X-Forwarded-For \$proxy_add_x_forwarded_for;
+      proxy_set_header X-Forwarded-Host \$host;
+      proxy_set_header X-Forwarded-Proto \$scheme;
+    }
+  }
+}
+EOF
+  "$NGINX" -p "$d" -c "$d/nginx.conf" &
+  NG_PID=$!; PIDS+=("$NG_PID")
+  wait_port "$NG_PORT"
+}
+
+# --- idemproxy -----------------------------------------------------------------------------
+# write_config NAME [retention] [gc_interval]: /api/weather (GET) and /api/echo (POST) are
+# read-only pass-through; /api/send is a side effect, keyed by Idempotency-Key.
+write_config() {
+  local name=$1 retention=${2:-24h} gc=${3:-60s}
+  local d="$WORK/$name"; mkdir -p "$d"
+  cat > "$d/idemproxy.yaml" <<EOF
+listen: 127.0.0.1:0
+store: { backend: redb, path: $d/store.redb, retention: $retention, gc_interval: $gc }
+limits: { max_body_bytes: 65536 }
+identity:
+  key_header: Idempotency-Key
+  derive_from: []
+  tenant_from: [Authorization]
+upstreams:
+  - name: api
+    url: http://127.0.0.1:$UP_PORT
+    mount: /api
+    routes:
+      - { name: weather, match: { method: GET, path: /weather }, class: read_only }
+      - { name: echo, match: { method: POST, path: /echo }, class: read_only }
+      - { name: send, match: { method: POST, path: /send }, tool_version: v1, retention: $retention }
+EOF
+  echo "$d/idemproxy.yaml"
+}
+
+# start_proxy CONFIG: sets PX_PID and PX_PORT.
+start_proxy() {
+  local cfg=$1 out="$WORK/proxy.$$.$RANDOM.out"
+  IDEMPROXY_LOG=${IDEMPROXY_LOG:-warn} "$PROXY_BIN" serve --config "$cfg" > "$out" 2>"$out.err" &
+  PX_PID=$!; PIDS+=("$PX_PID")
+  for _ in $(seq 1 400); do
+    PX_PORT=$(sed -n 's/^idemproxy listening on 127.0.0.1:\([0-9]*\)$/\1/p' "$out")
+    [ -n "$PX_PORT" ] && return 0
+    kill -0 "$PX_PID" 2>/dev/null || { cat "$out.err" >&2; return 1; }
+    sleep 0.05
+  done
+  echo "idemproxy did not start" >&2; cat "$out.err" >&2; return 1
+}
+
+vmhwm_kib() { awk '/^VmHWM/ {print $2}' "/proc/$1/status"; }
+
+# --- the client -----------------------------------------------------------------------------
+# measure RUN GROUP NAME CONNS BASE PATH METHOD [keys] [pool] [prefix]: one wrk run, one
+# JSON line in the results.
+measure() {
+  local run=$1 group=$2 name=$3 conns=$4 base=$5 path=$6 method=$7 keys=${8:-none} pool=${9:-0} prefix=${10:-k}
+  local body=0; [ "$method" = POST ] && body=512
+  local out
+  out=$(BENCH_METHOD=$method BENCH_PATH="$path" BENCH_BODY=$body BENCH_KEYS=$keys \
+        BENCH_POOL=$pool BENCH_PREFIX=$prefix \
+        wrk -t"$THREADS" -c"$conns" -d"${DURATION}s" --latency --timeout 10s \
+            -s "$ROOT/benches/wrk/request.lua" "$base" 2>&1) || true
+  python3 "$ROOT/benches/report.py" parse-wrk --run "$run" --group "$group" --name "$name" \
+      --conns "$conns" --method "$method" <<<"$out" >> "$RESULTS"
+  log "$(tail -1 "$RESULTS")"
+}
+
+# warm BASE PATH METHOD: a short untimed run so connections, pools and caches exist.
+warm() {
+  BENCH_METHOD=$3 BENCH_PATH="$2" BENCH_BODY=512 BENCH_KEYS=none \
+    wrk -t1 -c8 -d1s -s "$ROOT/benches/wrk/request.lua" "$1" >/dev/null 2>&1 || true
+}
+
+record() { echo "$1" >> "$RESULTS"; log "$1"; }
+
+machine() {
+  python3 - <<EOF >> "$RESULTS"
+import json, os, platform, subprocess
+cpu = next((l.split(':',1)[1].strip() for l in open('/proc/cpuinfo') if l.startswith('model name')), '?')
+print(json.dumps({"kind": "machine", "nproc": os.cpu_count(), "cpu": cpu,
+  "kernel": platform.release(), "loadavg": open('/proc/loadavg').read().split()[:3],
+  "nginx": subprocess.run(["$NGINX", "-v"], capture_output=True, text=True).stderr.strip(),
+  "wrk": "wrk -t$THREADS -c$CONNS -d${DURATION}s --latency", "duration_s": $DURATION}))
+EOF
+}
+
+# --- one full run ---------------------------------------------------------------------------
+one_run() {
+  local run=$1
+  log "run $run: starting upstream and nginx"
+  start_upstream
+  start_nginx_proxy
+  local U="http://127.0.0.1:$UP_PORT" N="http://127.0.0.1:$NG_PORT"
+
+  if want passthrough || want durable; then
+    local cfg; cfg=$(write_config "main-$run")
+    # 10k delivered records for the replay rows, written before the proxy opens the file.
+    record "$("$STORE_TOOL" prefill --config "$cfg" --from 0 --to 10000)"
+    start_proxy "$cfg"
+    local P="http://127.0.0.1:$PX_PORT" MAIN_PID=$PX_PID
+    warm "$U" "/weather?city=paris" GET; warm "$N" "/api/weather?city=paris" GET; warm "$P" "/api/weather?city=paris" GET
+    warm "$U" "/echo" POST; warm "$N" "/api/echo" POST; warm "$P" "/api/echo" POST
+  fi
+  if want passthrough; then
+    measure "$run" passthrough direct-get "$CONNS" "$U" "/weather?city=paris" GET
+    measure "$run" passthrough nginx-get "$CONNS" "$N" "/api/weather?city=paris" GET
+    measure "$run" passthrough idemproxy-get "$CONNS" "$P" "/api/weather?city=paris" GET
+    measure "$run" passthrough direct-post "$CONNS" "$U" "/echo" POST
+    measure "$run" passthrough nginx-post "$CONNS" "$N" "/api/echo" POST
+    measure "$run" passthrough idemproxy-post "$CONNS" "$P" "/api/echo" POST
+  fi
+  if want durable; then
+    measure "$run" durable replay-post "$CONNS" "$P" "/api/send" POST pool 10000 r
+    measure "$run" durable first-post-c$CONNS "$CONNS" "$P" "/api/send" POST unique 0 "a$run$RANDOM"
+    measure "$run" durable first-post-c$CONNS_FIRST "$CONNS_FIRST" "$P" "/api/send" POST unique 0 "b$run$RANDOM"
+  fi
+  if want passthrough || want durable; then
+    record "{\"kind\":\"rss\",\"run\":$run,\"name\":\"main\",\"vmhwm_kib\":$(vmhwm_kib "$MAIN_PID")}"
+    stop_pid "$MAIN_PID"
+  fi
+  if want durable; then
+    log "run $run: one durable commit per write (sequential, same store code)"
+    local b; b=$("$STORE_TOOL" baseline --dir "$WORK/baseline" --seconds "$DURATION")
+    record "$(python3 -c 'import json,sys; d=json.loads(sys.argv[1]); d["run"]=int(sys.argv[2]); print(json.dumps(d))' "$b" "$run")"
+  fi
+
+  if want rss; then
+    log "run $run: $CONNS_RSS connections on a fresh proxy"
+    local cfg; cfg=$(write_config "rss-$run")
+    start_proxy "$cfg"
+    local P="http://127.0.0.1:$PX_PORT"
+    measure "$run" rss idemproxy-get-c$CONNS_RSS "$CONNS_RSS" "$P" "/api/weather?city=paris" GET
+    measure "$run" rss first-post-c$CONNS_RSS "$CONNS_RSS" "$P" "/api/send" POST unique 0 "c$run$RANDOM"
+    record "{\"kind\":\"rss\",\"run\":$run,\"name\":\"c$CONNS_RSS\",\"vmhwm_kib\":$(vmhwm_kib "$PX_PID")}"
+    stop_pid "$PX_PID"
+  fi
+
+  if want scale; then
+    log "run $run: replay latency against growing stores"
+    local cfg; cfg=$(write_config "scale-$run")
+    local have=0
+    for n in $SCALES; do
+      record "$("$STORE_TOOL" prefill --config "$cfg" --from "$have" --to "$n")"
+      have=$n
+      start_proxy "$cfg"
+      local P="http://127.0.0.1:$PX_PORT"
+      warm "$P" "/api/send" POST # (no key: a 400, just opens connections)
+      measure "$run" scale "replay-$n" "$CONNS" "$P" "/api/send" POST pool "$n" r
+      stop_pid "$PX_PID"
+    done
+  fi
+
+  if want churn; then
+    log "run $run: churn (retention 5s, gc every 1s) for ${CHURN_SECONDS}s"
+    local cfg; cfg=$(write_config "churn-$run" 5s 1s)
+    local db; db="$(dirname "$cfg")/store.redb"
+    start_proxy "$cfg"
+    local P="http://127.0.0.1:$PX_PORT" max=0 sz
+    ( DURATION=$CHURN_SECONDS measure "$run" churn "first-post-churn" "$CONNS" "$P" "/api/send" POST unique 0 "d$run$RANDOM" ) &
+    local wrk_job=$!
+    while kill -0 "$wrk_job" 2>/dev/null; do
+      sz=$(stat -c %s "$db" 2>/dev/null || echo 0); [ "$sz" -gt "$max" ] && max=$sz
+      sleep 1
+    done
+    wait "$wrk_job" || true
+    sleep 7 # let retention and gc remove what the burst left
+    stop_pid "$PX_PID"
+    local live; live=$("$STORE_TOOL" live --config "$cfg")
+    # A restart compacts the file (see app::open_store).
+    start_proxy "$cfg"; stop_pid "$PX_PID"
+    local after; after=$(stat -c %s "$db")
+    record "$(python3 -c 'import json,sys; d=json.loads(sys.argv[1]); d.update(run=int(sys.argv[2]), kind="churn", max_file_bytes=int(sys.argv[3]), file_after_restart=int(sys.argv[4]), seconds=int(sys.argv[5])); print(json.dumps(d))' "$live" "$run" "$max" "$after" "$CHURN_SECONDS")"
+  fi
+
+  stop_pid "$NG_PID"
+  stop_pid "$UP_PID"
+}
+
+machine
+for run in $(seq 1 "$RUNS"); do
+  one_run "$run"
+done
+cp "$RESULTS" "$ROOT/target/bench-results.jsonl"
+log "raw results: target/bench-results.jsonl"
+if [ "$WRITE_DOC" = 1 ]; then
+  python3 "$ROOT/benches/report.py" render --results "$RESULTS" --doc "$ROOT/docs/PERFORMANCE.md" \
+      --command "benches/run.sh"
+  log "wrote docs/PERFORMANCE.md"
+else
+  python3 "$ROOT/benches/report.py" render --results "$RESULTS"
+fi
