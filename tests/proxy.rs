@@ -579,3 +579,37 @@ async fn unknown_paths_get_problems() {
     assert_eq!(r.status, StatusCode::NOT_FOUND);
     assert_eq!(r.problem_type(), "urn:idemproxy:problem:no-route");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_that_gives_up_does_not_abort_the_execution() {
+    let (_dir, ds, proxy) = setup().await;
+    ds.set_delay(Duration::from_millis(400));
+    let c = client();
+    let url = proxy.url("/mail/send");
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(100),
+        post(
+            &c,
+            &url,
+            &[("idempotency-key", "k-impatient")],
+            r#"{"to":"a@x"}"#,
+        ),
+    )
+    .await;
+    assert!(gave_up.is_err(), "the client timed out first");
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let retry = post(
+        &client(),
+        &url,
+        &[("idempotency-key", "k-impatient")],
+        r#"{"to":"a@x"}"#,
+    )
+    .await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+    assert_eq!(
+        retry.header("idempotent-replayed"),
+        Some("true"),
+        "the proxy finished and stored the call"
+    );
+    assert_eq!(ds.commits(), 1);
+}
