@@ -190,14 +190,7 @@ async fn an_instance_killed_mid_execution_is_taken_over_without_a_second_commit(
             .await
         }
     });
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    while ds.hits_on("/send") == 0 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "request never reached the downstream"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    wait_for_hit(&ds, "/send").await;
     procs.remove(0).kill();
     let _ = inflight.await;
     // While the dead owner's lease runs, the survivor answers in-flight, never re-sends.
@@ -250,14 +243,7 @@ async fn a_paused_instance_cannot_commit_over_another_instances_decision() {
         let c = c.clone();
         async move { post(&c, &a_url, &[("idempotency-key", "k-fence")], "{}").await }
     });
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    while ds.hits_on("/send") == 0 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "request never reached the downstream"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    wait_for_hit(&ds, "/send").await;
     signal(a.pid(), "-STOP");
     // A's lease (1 s) expires while it is frozen; B's lease keeper marks the record.
     tokio::time::sleep(Duration::from_millis(2500)).await;

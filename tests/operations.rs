@@ -19,9 +19,7 @@ async fn sigterm_drains_the_request_in_flight() {
     let url = proxy.url("/mail/send");
     let call =
         tokio::spawn(async move { post(&c, &url, &[("idempotency-key", "k-drain")], "{}").await });
-    while ds.hits_on("/send") == 0 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    wait_for_hit(&ds, "/send").await;
     let status = tokio::task::spawn_blocking(move || proxy.terminate())
         .await
         .expect("join");

@@ -534,14 +534,7 @@ async fn sigkill_while_downstream_works_never_sends_twice() {
         }
     });
     // Wait until the downstream has the request, then crash the proxy.
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    while ds.hits_on("/send") == 0 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "request never reached the downstream"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    wait_for_hit(&ds, "/send").await;
     proxy.kill();
     assert!(
         inflight.await.expect("task").is_err(),
