@@ -606,3 +606,32 @@ async fn a_client_that_gives_up_does_not_abort_the_execution() {
     );
     assert_eq!(ds.commits(), 1);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn read_only_bodies_are_streamed_not_buffered() {
+    use http_body_util::BodyExt;
+    let (_dir, _ds, proxy) = setup().await;
+    let c = client();
+    // 6 chunks, 150 ms apart: a buffering proxy would deliver nothing for ~750 ms.
+    let req = http::Request::get(proxy.url("/mail/stream?chunks=6&interval_ms=150"))
+        .body(http_body_util::Full::new(bytes::Bytes::new()))
+        .expect("request");
+    let started = std::time::Instant::now();
+    let resp = c.request(req).await.expect("response");
+    assert_eq!(resp.status(), StatusCode::OK);
+    let mut body = resp.into_body();
+    let first = body.frame().await.expect("a frame").expect("ok frame");
+    assert!(first.is_data());
+    let first_at = started.elapsed();
+    let mut frames = 1;
+    while let Some(f) = body.frame().await {
+        f.expect("ok frame");
+        frames += 1;
+    }
+    let total = started.elapsed();
+    assert!(frames >= 6, "chunks arrive as separate frames ({frames})");
+    assert!(
+        first_at * 3 < total,
+        "first chunk at {first_at:?} arrived long before the end at {total:?}"
+    );
+}
