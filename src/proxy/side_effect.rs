@@ -314,14 +314,13 @@ impl Call<'_> {
             },
             State::OutcomeUnknown => Decision::Respond(
                 Problem::new(
-                    Kind::OutcomeUnknown,
+                    Kind::OutcomeUnknownPending,
                     "an earlier attempt may or may not have taken effect; it is not re-sent until reconciled or resolved by an operator",
                 )
                 .execution(&self.id)
                 .header(STATUS, HeaderValue::from_static("outcome_unknown"))
                 .into_response(),
-            )
-            .conflict(),
+            ),
             State::Prepared | State::Approved | State::FailedBeforeCommit => Decision::Execute(Event::Start),
             State::AwaitingApproval => Decision::Respond(self.approval_required(r)),
             State::Rejected => Decision::Respond(
@@ -672,19 +671,6 @@ impl Call<'_> {
         tracing::info!(execution_id = %self.id, "replayed stored result");
         self.metrics().replays.get_or_create(&self.labels()).inc();
         self.respond(r, true)
-    }
-}
-
-impl Decision {
-    /// `outcome-unknown` on retry is a 409 (SPEC section 7), not the 502 of the first attempt.
-    fn conflict(self) -> Decision {
-        match self {
-            Decision::Respond(mut resp) => {
-                *resp.status_mut() = StatusCode::CONFLICT;
-                Decision::Respond(resp)
-            }
-            d => d,
-        }
     }
 }
 
