@@ -11,7 +11,7 @@ use tokio::net::TcpListener;
 use crate::config::{Config, StoreBackend};
 use crate::policy::identity::ExecutionId;
 use crate::policy::state::{Event, State};
-use crate::proxy::{recovery, Proxy, Runtime};
+use crate::proxy::{recovery, Proxy, Runtime, Worker};
 use crate::store::{now_ms, ListFilter, Record, Store, StoredResponse};
 
 /// Open the store the config names. For redb the file is created if missing.
@@ -79,16 +79,17 @@ pub async fn start(cfg: Config, store: Arc<dyn Store>) -> anyhow::Result<Running
         .await
         .with_context(|| format!("binding the proxy listener {listen}"))?;
     let addr = listener.local_addr()?;
-    let (tx, mut rx) = tokio::sync::watch::channel(false);
+    let (tx, rx) = tokio::sync::watch::channel(false);
     let keeper = recovery::spawn_lease_keeper(store.clone(), proxy.owner.clone(), lease);
     let gc = recovery::spawn_gc(store.clone(), gc_every);
     let p = proxy.clone();
+    let options = crate::wire::server::Options::from_env(Duration::from_secs(30));
     let task = tokio::spawn(async move {
-        let handler = move |req, peer| p.clone().handle(req, peer);
-        let shutdown = async move {
-            let _ = rx.wait_for(|stop| *stop).await;
+        let make_handler = move || {
+            let worker = Worker::new(p.clone());
+            move |req, peer| worker.clone().handle(req, peer)
         };
-        crate::wire::server::serve(listener, handler, shutdown, Duration::from_secs(30)).await;
+        crate::wire::server::serve(listener, make_handler, rx, options).await;
         keeper.abort();
         gc.abort();
     });

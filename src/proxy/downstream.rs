@@ -42,7 +42,16 @@ pub fn request_headers(
     peer: SocketAddr,
     remove: &[&HeaderName],
 ) -> HeaderMap {
-    let mut h = src.clone();
+    into_request_headers(src.clone(), upstream, peer, remove)
+}
+
+/// [`request_headers`] on a map the caller no longer needs: no copy of it is made.
+pub fn into_request_headers(
+    mut h: HeaderMap,
+    upstream: &Upstream,
+    peer: SocketAddr,
+    remove: &[&HeaderName],
+) -> HeaderMap {
     headers::strip_hop_by_hop(&mut h);
     for name in remove {
         h.remove(*name);

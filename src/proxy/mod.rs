@@ -8,11 +8,12 @@ pub mod recovery;
 pub mod side_effect;
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use http::{Request, Response};
 use hyper::body::Incoming;
-use parking_lot::RwLock;
+use parking_lot::{Mutex, RwLock};
 
 use crate::config::{Class, Config};
 use crate::policy::classify::Classified;
@@ -23,13 +24,21 @@ use crate::wire::problem::{Kind, Problem};
 
 /// What a config reload swaps as one unit: the validated config and its clients.
 pub struct Runtime {
-    pub config: Config,
+    pub config: Arc<Config>,
     /// One pooled client per upstream, same order as `config.upstreams`.
     pub clients: Vec<HttpClient>,
 }
 
 impl Runtime {
     pub fn new(config: Config) -> Result<Runtime, client::ClientBuildError> {
+        Self::with_clients(Arc::new(config))
+    }
+
+    /// The same config with clients of its own. A client's connections live on the
+    /// runtime that opened them, so each server worker thread gets its own clients: a
+    /// shared pool would hand one thread's connection to another and every request would
+    /// cross threads twice (see docs/PERFORMANCE.md).
+    fn with_clients(config: Arc<Config>) -> Result<Runtime, client::ClientBuildError> {
         let clients = config
             .upstreams
             .iter()
@@ -42,6 +51,8 @@ impl Runtime {
 /// A running proxy's shared state.
 pub struct Proxy {
     runtime: RwLock<Arc<Runtime>>,
+    /// Bumped by every reload, so worker threads notice without taking the lock.
+    generation: AtomicU64,
     pub store: Arc<dyn Store>,
     /// This instance's lease owner id (unique per process start).
     pub owner: String,
@@ -58,6 +69,7 @@ impl Proxy {
         );
         Arc::new(Proxy {
             runtime: RwLock::new(Arc::new(runtime)),
+            generation: AtomicU64::new(0),
             store,
             owner,
             metrics: crate::metrics::Metrics::new(),
@@ -71,41 +83,57 @@ impl Proxy {
     /// Swap in a reloaded config; requests in flight finish on the old one.
     pub fn reload(&self, runtime: Runtime) {
         *self.runtime.write() = Arc::new(runtime);
+        // After the swap: a worker that sees the new generation also sees the new runtime.
+        self.generation.fetch_add(1, Ordering::Release);
     }
 
-    /// Entry point for every request on the proxy listener.
+    /// Entry point for a request, on the shared runtime (see [`Worker`] for the listener's).
     pub async fn handle(
         self: Arc<Self>,
         req: Request<Incoming>,
         peer: SocketAddr,
     ) -> Response<ProxyBody> {
         let rt = self.runtime();
+        self.handle_on(rt, req, peer).await
+    }
+
+    async fn handle_on(
+        self: &Arc<Self>,
+        rt: Arc<Runtime>,
+        req: Request<Incoming>,
+        peer: SocketAddr,
+    ) -> Response<ProxyBody> {
         let cfg = &rt.config;
-        let path = req.uri().path().to_string();
-        match cfg
-            .routes
-            .classify(&cfg.upstreams, cfg.unmatched, req.method(), &path)
-        {
-            Classified::NoUpstream => {
-                Problem::new(Kind::NoRoute, format!("no upstream is mounted at {path}"))
-                    .into_response()
-            }
+        // The classification does not borrow the path, so no copy of it is needed.
+        match cfg.routes.classify(
+            &cfg.upstreams,
+            cfg.unmatched,
+            req.method(),
+            req.uri().path(),
+        ) {
+            Classified::NoUpstream => Problem::new(
+                Kind::NoRoute,
+                format!("no upstream is mounted at {}", req.uri().path()),
+            )
+            .into_response(),
             Classified::Unmatched { upstream } => Problem::new(
                 Kind::RouteUnmatched,
                 format!(
-                    "no route of upstream `{}` matches {} {path} and `unmatched: reject` is set",
+                    "no route of upstream `{}` matches {} {} and `unmatched: reject` is set",
                     upstream.name,
-                    req.method()
+                    req.method(),
+                    req.uri().path()
                 ),
             )
             .into_response(),
             Classified::Matched(target) => {
-                let client = rt.clients[target.upstream_index].clone();
+                let client = &rt.clients[target.upstream_index];
                 match target.route.class {
                     Class::ReadOnly => {
-                        passthrough::forward(&rt, &client, &target, req, peer, true).await
+                        passthrough::forward(&rt, client, &target, req, peer, true).await
                     }
                     Class::SideEffect => {
+                        let client = client.clone();
                         // hyper drops the service future when the client disconnects. A
                         // side effect must not stop half-way (it would sit `executing`
                         // until a restart), so it runs as its own task to completion.
@@ -131,6 +159,54 @@ impl Proxy {
                 }
             }
         }
+    }
+}
+
+/// One server worker thread's handle on the proxy: the current config with this thread's
+/// own upstream clients, rebuilt when a reload bumps the generation. Only its thread uses
+/// it, so its lock is never contended and its reference counts stay in that core's cache.
+pub struct Worker {
+    proxy: Arc<Proxy>,
+    local: Mutex<Option<(u64, Arc<Runtime>)>>,
+}
+
+impl Worker {
+    pub fn new(proxy: Arc<Proxy>) -> Arc<Worker> {
+        Arc::new(Worker {
+            proxy,
+            local: Mutex::new(None),
+        })
+    }
+
+    fn runtime(&self) -> Arc<Runtime> {
+        let generation = self.proxy.generation.load(Ordering::Acquire);
+        let mut local = self.local.lock();
+        if let Some((g, rt)) = local.as_ref() {
+            if *g == generation {
+                return rt.clone();
+            }
+        }
+        let shared = self.proxy.runtime();
+        let rt = match Runtime::with_clients(shared.config.clone()) {
+            Ok(rt) => Arc::new(rt),
+            Err(e) => {
+                // The same config built its clients once already; if this thread cannot,
+                // it still serves, through the shared clients.
+                tracing::warn!(error = %e, "worker could not build its own upstream clients");
+                shared
+            }
+        };
+        *local = Some((generation, rt.clone()));
+        rt
+    }
+
+    pub async fn handle(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+        peer: SocketAddr,
+    ) -> Response<ProxyBody> {
+        let rt = self.runtime();
+        self.proxy.handle_on(rt, req, peer).await
     }
 }
 

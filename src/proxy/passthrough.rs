@@ -34,7 +34,6 @@ pub async fn forward(
         }
     };
     let key_header = &rt.config.identity.key_header;
-    let headers = downstream::request_headers(&parts.headers, target.upstream, peer, &[key_header]);
     let route = target.route;
     let bodyless = incoming.is_end_stream();
     let attempts = if allow_retry && bodyless {
@@ -42,6 +41,11 @@ pub async fn forward(
     } else {
         1
     };
+    // Each attempt sends its own copy; the common single attempt moves the client's map
+    // (a copy per request showed in the pass-through profile).
+    let headers =
+        downstream::into_request_headers(parts.headers, target.upstream, peer, &[key_header]);
+    let mut headers = Some(headers);
     let mut incoming = Some(incoming);
     let mut backoff = route.retry.backoff;
     for attempt in 1..=attempts {
@@ -49,8 +53,13 @@ pub async fn forward(
             Some(b) if !bodyless => b.map_err(|e| Box::new(e) as body::BoxError).boxed(),
             _ => body::empty(),
         };
-        let req = downstream::build(parts.method.clone(), uri.clone(), headers.clone(), req_body);
         let last = attempt == attempts;
+        let attempt_headers = if last {
+            headers.take().expect("only the last attempt takes the map")
+        } else {
+            headers.clone().expect("present until the last attempt")
+        };
+        let req = downstream::build(parts.method.clone(), uri.clone(), attempt_headers, req_body);
         let outcome = tokio::time::timeout(route.timeout, client.request(req)).await;
         match outcome {
             Ok(Ok(resp)) => {

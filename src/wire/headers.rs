@@ -23,6 +23,11 @@ const HOP_BY_HOP: [HeaderName; 8] = [
 
 /// Remove hop-by-hop headers, including every header the `Connection` header names.
 pub fn strip_hop_by_hop(h: &mut HeaderMap) {
+    // Most messages carry none: one pass over the names is cheaper than the nine hashed
+    // removals below (they showed in the pass-through profile).
+    if !h.keys().any(is_hop_by_hop) {
+        return;
+    }
     let named: Vec<HeaderName> = h
         .get_all(header::CONNECTION)
         .iter()

@@ -1,6 +1,12 @@
 //! The listener: accepts TCP connections and serves HTTP/1.1 and HTTP/2 (auto-detected)
 //! with hyper, handing every request to a service. Shutdown stops accepting and drains
 //! in-flight connections, bounded by a grace period.
+//!
+//! Connections are served by worker threads, one single-threaded tokio runtime each,
+//! and a connection stays on the worker it was handed to: a proxied request then never
+//! wakes another thread (with one work-stealing runtime, every request did, twice; see
+//! docs/PERFORMANCE.md). The accept loop runs on the caller's runtime and deals
+//! connections out in turn.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -13,27 +19,70 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
+use tokio::sync::{mpsc, oneshot, watch};
 
 use super::body::ProxyBody;
 
-/// Serve until `shutdown` resolves, then drain for at most `grace`.
-pub async fn serve<H, F>(
+/// How the listener runs.
+#[derive(Clone, Copy, Debug)]
+pub struct Options {
+    /// Worker threads serving connections.
+    pub workers: usize,
+    /// How long shutdown waits for in-flight requests.
+    pub grace: Duration,
+}
+
+impl Options {
+    /// One worker per CPU, unless `IDEMPROXY_WORKERS` says otherwise.
+    pub fn from_env(grace: Duration) -> Options {
+        let workers = std::env::var("IDEMPROXY_WORKERS")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|n| *n > 0)
+            .or_else(|| std::thread::available_parallelism().map(|n| n.get()).ok())
+            .unwrap_or(1);
+        Options { workers, grace }
+    }
+}
+
+/// Serve until `shutdown` turns true, then drain for at most `grace`. `make_handler` is
+/// called once per worker thread, so each can hold state of its own.
+pub async fn serve<M, H, F>(
     listener: TcpListener,
-    handler: H,
-    shutdown: impl Future<Output = ()>,
-    grace: Duration,
+    make_handler: M,
+    mut shutdown: watch::Receiver<bool>,
+    options: Options,
 ) where
+    M: Fn() -> H,
     H: Fn(Request<Incoming>, SocketAddr) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<ProxyBody>> + Send + 'static,
 {
-    let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder
-        .http1()
-        .keep_alive(true)
-        .timer(hyper_util::rt::TokioTimer::new());
-    builder.http2().timer(hyper_util::rt::TokioTimer::new());
-    let graceful = GracefulShutdown::new();
-    tokio::pin!(shutdown);
+    let mut queues = Vec::new();
+    let mut finished = Vec::new();
+    for i in 0..options.workers.max(1) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (done_tx, done_rx) = oneshot::channel::<()>();
+        let handler = make_handler();
+        let stop = shutdown.clone();
+        let spawned = std::thread::Builder::new()
+            .name(format!("idemproxy-worker-{i}"))
+            .spawn(move || {
+                worker(rx, handler, stop, options.grace);
+                let _ = done_tx.send(());
+            });
+        match spawned {
+            Ok(_) => {
+                queues.push(tx);
+                finished.push(done_rx);
+            }
+            Err(e) => tracing::error!(error = %e, "cannot start a server worker thread"),
+        }
+    }
+    if queues.is_empty() {
+        tracing::error!("no server worker thread could start; not accepting");
+        return;
+    }
+    let mut next = 0usize;
     loop {
         tokio::select! {
             accepted = listener.accept() => {
@@ -47,25 +96,113 @@ pub async fn serve<H, F>(
                     }
                 };
                 let _ = stream.set_nodelay(true);
-                let h = handler.clone();
-                let svc = hyper::service::service_fn(move |req| {
-                    let fut = h(req, peer);
-                    async move { Ok::<_, Infallible>(fut.await) }
-                });
-                let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
-                let conn = graceful.watch(conn.into_owned());
-                tokio::spawn(async move {
-                    if let Err(e) = conn.await {
-                        tracing::debug!(error = %e, "connection ended with error");
+                // Leaves this runtime's reactor; the worker registers it with its own.
+                let stream = match stream.into_std() {
+                    Ok(s) => s,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot hand a connection to a worker");
+                        continue;
                     }
-                });
+                };
+                // Round robin; a worker whose thread is gone is skipped.
+                let mut conn = Some((stream, peer));
+                for _ in 0..queues.len() {
+                    let q = &queues[next % queues.len()];
+                    next = next.wrapping_add(1);
+                    match q.send(conn.take().expect("put back on failure")) {
+                        Ok(()) => break,
+                        Err(mpsc::error::SendError(c)) => conn = Some(c),
+                    }
+                }
+                if conn.is_some() {
+                    tracing::error!("every server worker has stopped; not accepting");
+                    break;
+                }
             }
-            _ = &mut shutdown => break,
+            _ = stopped(&mut shutdown) => break,
         }
     }
     drop(listener);
-    tokio::select! {
-        _ = graceful.shutdown() => tracing::info!("all connections drained"),
-        _ = tokio::time::sleep(grace) => tracing::warn!("grace period over; closing remaining connections"),
+    drop(queues);
+    for done in finished {
+        let _ = done.await;
     }
+}
+
+/// One worker thread: serves the connections it is handed until shutdown, then drains.
+fn worker<H, F>(
+    mut conns: mpsc::UnboundedReceiver<(std::net::TcpStream, SocketAddr)>,
+    handler: H,
+    mut shutdown: watch::Receiver<bool>,
+    grace: Duration,
+) where
+    H: Fn(Request<Incoming>, SocketAddr) -> F + Clone + Send + Sync + 'static,
+    F: Future<Output = Response<ProxyBody>> + Send + 'static,
+{
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot start a server worker runtime");
+            return;
+        }
+    };
+    rt.block_on(async move {
+        let mut builder = auto::Builder::new(TokioExecutor::new());
+        builder
+            .http1()
+            .keep_alive(true)
+            .timer(hyper_util::rt::TokioTimer::new());
+        builder.http2().timer(hyper_util::rt::TokioTimer::new());
+        let graceful = GracefulShutdown::new();
+        loop {
+            tokio::select! {
+                conn = conns.recv() => {
+                    let Some((stream, peer)) = conn else { break };
+                    let stream = match tokio::net::TcpStream::from_std(stream) {
+                        Ok(s) => s,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "cannot register a connection");
+                            continue;
+                        }
+                    };
+                    let h = handler.clone();
+                    let svc = hyper::service::service_fn(move |req| {
+                        let fut = h(req, peer);
+                        async move { Ok::<_, Infallible>(fut.await) }
+                    });
+                    let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
+                    let conn = graceful.watch(conn.into_owned());
+                    tokio::spawn(async move {
+                        if let Err(e) = conn.await {
+                            tracing::debug!(error = %e, "connection ended with error");
+                        }
+                    });
+                }
+                _ = stopped(&mut shutdown) => break,
+            }
+        }
+        // The handler holds this worker's upstream clients; their idle pooled connections
+        // are tasks too, and must not count as work to wait for below.
+        drop(handler);
+        let deadline = tokio::time::Instant::now() + grace;
+        tokio::select! {
+            _ = graceful.shutdown() => tracing::debug!("worker drained its connections"),
+            _ = tokio::time::sleep_until(deadline) => tracing::warn!("grace period over; closing remaining connections"),
+        }
+        // Side effects run as their own tasks (a client that went away does not stop one
+        // half-way); let those finish too, within the same grace period.
+        let metrics = tokio::runtime::Handle::current().metrics();
+        while metrics.num_alive_tasks() > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    });
+}
+
+/// Resolves once shutdown is asked for (or its sender is gone). Returns nothing, so no
+/// borrow of the watch value is held across the caller's other awaits.
+async fn stopped(shutdown: &mut watch::Receiver<bool>) {
+    let _ = shutdown.wait_for(|stop| *stop).await;
 }
