@@ -81,15 +81,16 @@ fn body(n: usize) -> Vec<u8> {
 
 /// What the upstream nginx answers on `/send` (see `run.sh`), as the proxy stores it.
 fn upstream_answer() -> StoredResponse {
+    let body = br#"{"id":"msg_1","status":"queued"}"#.to_vec();
     StoredResponse {
         status: 201,
         headers: vec![
             ("server".into(), b"nginx/1.22.1".to_vec()),
             ("date".into(), b"Thu, 01 Jan 2026 00:00:00 GMT".to_vec()),
             ("content-type".into(), b"application/json".to_vec()),
-            ("content-length".into(), b"33".to_vec()),
+            ("content-length".into(), body.len().to_string().into_bytes()),
         ],
-        body: br#"{"id":"msg_1","status":"queued"}"#.to_vec(),
+        body,
     }
 }
 

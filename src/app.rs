@@ -26,6 +26,57 @@ pub async fn open_store(cfg: &Config) -> anyhow::Result<Arc<dyn Store>> {
     }
 }
 
+/// [`open_store`] for `serve`: a redb file is compacted first. redb reuses the pages gc
+/// frees, so under steady churn the file stays near its peak live size without help;
+/// compaction gives back what a past peak left, and it needs the file to itself (no
+/// transaction open), which a running proxy never has. Startup is that moment.
+async fn open_store_for_serving(cfg: &Config) -> anyhow::Result<Arc<dyn Store>> {
+    match &cfg.store.backend {
+        StoreBackend::Redb { path } => {
+            let (store, _) = open_compacted(path.clone(), false).await?;
+            Ok(Arc::new(store))
+        }
+        StoreBackend::Postgres { .. } => open_store(cfg).await,
+    }
+}
+
+/// Opens a redb store, sweeps retention if asked (returning how many records went), then
+/// compacts. Blocking work, so it runs off the async threads.
+async fn open_compacted(
+    path: std::path::PathBuf,
+    sweep: bool,
+) -> anyhow::Result<(crate::store::redb::RedbStore, u64)> {
+    tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
+        let mut store = crate::store::redb::RedbStore::open(&path)
+            .with_context(|| format!("opening redb store {}", path.display()))?;
+        let removed = if sweep {
+            tokio::runtime::Handle::current().block_on(recovery::sweep(&store))?
+        } else {
+            0
+        };
+        let before = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+        let started = std::time::Instant::now();
+        match store.compact() {
+            Ok(done) => {
+                let after = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+                tracing::info!(
+                    file = %path.display(),
+                    before_bytes = before,
+                    after_bytes = after,
+                    compacted = done,
+                    elapsed_ms = started.elapsed().as_millis() as u64,
+                    "store compaction"
+                );
+            }
+            // Not fatal: the store works uncompacted, only larger than it needs to be.
+            Err(e) => tracing::warn!(error = %e, "store compaction skipped"),
+        }
+        Ok((store, removed))
+    })
+    .await
+    .context("store open task failed")?
+}
+
 async fn open_postgres(url_env: &str, schema: &str) -> anyhow::Result<Arc<dyn Store>> {
     let url = std::env::var(url_env)
         .with_context(|| format!("store.backend is postgres but the environment variable {url_env} (store.url_env) is not set"))?;
@@ -106,7 +157,7 @@ pub async fn start(cfg: Config, store: Arc<dyn Store>) -> anyhow::Result<Running
 pub async fn serve(cfg: Config) -> anyhow::Result<()> {
     use tokio::signal::unix::{signal, SignalKind};
     let source = cfg.source.clone();
-    let store = open_store(&cfg).await?;
+    let store = open_store_for_serving(&cfg).await?;
     let running = start(cfg, store).await?;
     println!("idemproxy listening on {}", running.addr);
     let mut term = signal(SignalKind::terminate())?;
@@ -216,7 +267,13 @@ pub async fn resolve(
 }
 
 /// `idemproxy gc`.
+/// `idemproxy gc`. Offline, a redb file is also compacted after the sweep, so an operator
+/// can give a past peak's space back without waiting for the next start.
 pub async fn gc(cfg: &Config) -> anyhow::Result<u64> {
+    if let StoreBackend::Redb { path } = &cfg.store.backend {
+        let (_, removed) = open_compacted(path.clone(), true).await?;
+        return Ok(removed);
+    }
     let store = open_store(cfg).await?;
     Ok(recovery::sweep(store.as_ref()).await?)
 }

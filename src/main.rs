@@ -6,6 +6,12 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
+/// mimalloc instead of the system allocator: hyper, http and tokio allocate and free small
+/// buffers on every request from per-thread worker runtimes, which is mimalloc's case;
+/// glibc malloc was about a tenth of the pass-through profile (docs/PERFORMANCE.md).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 mod demo;
 use idemproxy::config::{Config, DEFAULT_PATH};
 use idemproxy::policy::state::State;

@@ -119,6 +119,11 @@ impl ProxyProc {
         }
     }
 
+    /// The captured stderr, still readable after [`ProxyProc::kill`] consumed the process.
+    pub fn stderr_handle(&self) -> Arc<Mutex<Vec<String>>> {
+        self.stderr.clone()
+    }
+
     pub fn stderr_lines(&self) -> Vec<String> {
         self.stderr.lock().expect("lock").clone()
     }

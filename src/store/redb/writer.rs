@@ -149,6 +149,8 @@ fn commit_batch(shared: &Shared, batch: &mut Vec<Command>) {
         Ok(applied) => {
             shared.commits.fetch_add(1, Ordering::Relaxed);
             shared.writes.fetch_add(count, Ordering::Relaxed);
+            // Lets a test of the real binary see that concurrent writes shared a commit.
+            tracing::debug!(writes = count, "group commit durable");
             applied.into_iter().for_each(Applied::send);
         }
         Err((reason, applied)) => {
