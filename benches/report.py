@@ -65,7 +65,7 @@ def render_run(run, rows):
     }
     order = ["direct-get", "nginx-get", "idemproxy-get", "direct-post", "nginx-post",
              "idemproxy-post", "replay-post"]
-    order += sorted((n for n in wrk if n.startswith("first-post-c")),
+    order += sorted((n for n in wrk if re.fullmatch(r"first-post-c\d+", n)),
                     key=lambda n: int(n.rsplit("c", 1)[1]))
     order += [n for n in wrk if n.startswith("idemproxy-get-c")]
     out += ["| scenario | conns | req/s | p50 ms | p99 ms | non-2xx | socket errors |",

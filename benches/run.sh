@@ -192,7 +192,8 @@ start_proxy() {
   local cfg=$1 out="$WORK/proxy.$$.$RANDOM.out"
   IDEMPROXY_LOG=${IDEMPROXY_LOG:-warn} "$PROXY_BIN" serve --config "$cfg" > "$out" 2>"$out.err" &
   PX_PID=$!; PIDS+=("$PX_PID")
-  for _ in $(seq 1 400); do
+  # Up to 10 minutes: a start may compact a large store first (see app::open_store_for_serving).
+  for _ in $(seq 1 12000); do
     PX_PORT=$(sed -n 's/^idemproxy listening on 127.0.0.1:\([0-9]*\)$/\1/p' "$out")
     [ -n "$PX_PORT" ] && return 0
     kill -0 "$PX_PID" 2>/dev/null || { cat "$out.err" >&2; return 1; }
@@ -302,6 +303,7 @@ one_run() {
       measure "$run" scale "replay-$n" "$CONNS" "$P" "/api/send" POST pool "$n" r
       stop_pid "$PX_PID"
     done
+    rm -rf "$(dirname "$cfg")" # a million records are over a GiB
   fi
 
   if want churn; then

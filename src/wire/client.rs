@@ -4,8 +4,14 @@
 //! left ([`SendFailure::BeforeSend`]) or after ([`SendFailure::AfterSend`]).
 
 use std::path::Path;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
+
+use http_body::{Body, Frame, SizeHint};
+use hyper::body::Incoming;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -16,7 +22,62 @@ use rustls::pki_types::CertificateDer;
 
 use super::body::ProxyBody;
 
-pub type HttpClient = Client<HttpsConnector<HttpConnector>, ProxyBody>;
+/// A pooled client for one upstream, with a cap on the requests it has in flight (and so
+/// on its connections). Without the cap, 1,000 concurrent clients opened over 1,100
+/// upstream connections and their buffers alone put the proxy past 64 MiB.
+#[derive(Clone)]
+pub struct HttpClient {
+    inner: Client<HttpsConnector<HttpConnector>, ProxyBody>,
+    permits: Arc<Semaphore>,
+}
+
+/// Requests in flight per upstream per server worker thread (each has its own clients).
+pub const MAX_IN_FLIGHT: usize = 128;
+
+impl HttpClient {
+    /// Sends `req` once a slot is free. The slot is held until the response body has been
+    /// read to its end or dropped, since the connection stays busy until then.
+    pub async fn request(
+        &self,
+        req: http::Request<ProxyBody>,
+    ) -> Result<http::Response<Held<Incoming>>, hyper_util::client::legacy::Error> {
+        // The semaphore is never closed, so acquiring only waits.
+        let permit = self.permits.clone().acquire_owned().await.ok();
+        let resp = self.inner.request(req).await?;
+        Ok(resp.map(|body| Held { body, permit }))
+    }
+}
+
+/// A response body holding its request's in-flight slot.
+pub struct Held<B> {
+    body: B,
+    permit: Option<OwnedSemaphorePermit>,
+}
+
+impl<B: Body + Unpin> Body for Held<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        let polled = Pin::new(&mut self.body).poll_frame(cx);
+        if matches!(polled, Poll::Ready(None)) {
+            // Done: the connection can take the next request before this body is dropped.
+            self.permit = None;
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientBuildError {
@@ -68,10 +129,14 @@ pub fn build(
         .https_or_http()
         .enable_all_versions()
         .wrap_connector(http);
-    Ok(Client::builder(TokioExecutor::new())
+    let inner = Client::builder(TokioExecutor::new())
         .pool_idle_timeout(Duration::from_secs(30))
-        .pool_max_idle_per_host(256)
-        .build(https))
+        .pool_max_idle_per_host(MAX_IN_FLIGHT)
+        .build(https);
+    Ok(HttpClient {
+        inner,
+        permits: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
+    })
 }
 
 /// When a send failed, relative to the request leaving the proxy.

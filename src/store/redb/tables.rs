@@ -165,6 +165,20 @@ impl Snapshot {
         Ok(out)
     }
 
+    /// Records stored, and the mean stored size of the first `sample` of them (key + value).
+    pub(super) fn size_sample(&self, sample: usize) -> StoreResult<(u64, u64)> {
+        use ::redb::ReadableTableMetadata;
+        let records = self.txn.open_table(RECORDS).map_err(storage)?;
+        let count = records.len().map_err(storage)?;
+        let (mut n, mut bytes) = (0u64, 0u64);
+        for entry in records.iter().map_err(storage)?.take(sample) {
+            let (k, v) = entry.map_err(storage)?;
+            n += 1;
+            bytes += (k.value().len() + v.value().len()) as u64;
+        }
+        Ok((count, bytes.checked_div(n).unwrap_or(0)))
+    }
+
     pub(super) fn stale_executing(&self, now_ms: i64, limit: usize) -> StoreResult<Vec<Record>> {
         let mut out = Vec::new();
         if limit == 0 {
