@@ -16,6 +16,7 @@ import sys
 BEGIN = "<!-- bench:begin (written by benches/run.sh; edits here are overwritten) -->"
 END = "<!-- bench:end -->"
 MIB = 1024 * 1024
+CONNS_MAIN = "32/64"
 
 
 def parse_wrk(a):
@@ -67,7 +68,7 @@ def render_run(run, rows):
              "idemproxy-post", "replay-post"]
     order += sorted((n for n in wrk if re.fullmatch(r"first-post-c\d+", n)),
                     key=lambda n: int(n.rsplit("c", 1)[1]))
-    order += [n for n in wrk if n.startswith("idemproxy-get-c")]
+    order += [n for n in wrk if n.startswith("rss-")]
     out += ["| scenario | conns | req/s | p50 ms | p99 ms | non-2xx | socket errors |",
             "|---|---:|---:|---:|---:|---:|---:|"]
     for n in order:
@@ -77,8 +78,12 @@ def render_run(run, rows):
         label = labels.get(n, n)
         if n.startswith("first-post-c"):
             label = "idemproxy first executions (unique keys), POST 512 B"
-        if n.startswith("idemproxy-get-c"):
-            label = "idemproxy read-only pass-through, GET"
+        if n.startswith("rss-get-"):
+            label = "idemproxy read-only pass-through, GET (fresh proxy)"
+        if n.startswith("rss-replay-"):
+            label = "idemproxy replays, POST 512 B (fresh proxy)"
+        if n.startswith("rss-first-"):
+            label = "idemproxy first executions, POST 512 B (fresh proxy)"
         if "error" in r:
             out.append(f"| {label} | {r['conns']} | failed: {r['error'][:80]} | | | | |")
             continue
@@ -154,12 +159,13 @@ def render_run(run, rows):
         x = first["rps"] / base["executions_per_s"]
         t.append(f"| first executions, 64 clients, vs one commit per write ≥ 4× | {x:.1f}× "
                  f"({fmt_rps(first['rps'])} vs {fmt_rps(base['executions_per_s'])} executions/s) | {verdict(x >= 4)} |")
+    what = {"get": "read-only pass-through GET", "replay": "replays", "first": "first executions"}
     for name, r in rss.items():
         mib = r["vmhwm_kib"] / 1024
-        if name.startswith("c"):
-            t.append(f"| peak RSS with {name[1:]} connections ≤ 64 MiB | {mib:.1f} MiB (VmHWM) | {verdict(mib <= 64)} |")
+        if name in what:
+            t.append(f"| peak RSS with {r['conns']} connections, {what[name]}, ≤ 64 MiB | {mib:.1f} MiB (VmHWM) | {verdict(mib <= 64)} |")
         else:
-            t.append(f"| peak RSS of the proxy over the rows above (≤ 64 MiB) | {mib:.1f} MiB (VmHWM) | {verdict(mib <= 64)} |")
+            t.append(f"| peak RSS of the proxy over the {CONNS_MAIN}-connection rows (≤ 64 MiB) | {mib:.1f} MiB (VmHWM) | {verdict(mib <= 64)} |")
     if len(scale) >= 2 and all("p99_ms" in r for _, r in scale):
         lo, hi = scale[0], scale[-1]
         x = hi[1]["p99_ms"] / max(lo[1]["p99_ms"], 1e-9)

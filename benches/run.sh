@@ -280,14 +280,22 @@ one_run() {
   fi
 
   if want rss; then
-    log "run $run: $CONNS_RSS connections on a fresh proxy"
-    local cfg; cfg=$(write_config "rss-$run")
-    start_proxy "$cfg"
-    local P="http://127.0.0.1:$PX_PORT"
-    measure "$run" rss idemproxy-get-c$CONNS_RSS "$CONNS_RSS" "$P" "/api/weather?city=paris" GET
-    measure "$run" rss first-post-c$CONNS_RSS "$CONNS_RSS" "$P" "/api/send" POST unique 0 "c$run$RANDOM"
-    record "{\"kind\":\"rss\",\"run\":$run,\"name\":\"c$CONNS_RSS\",\"vmhwm_kib\":$(vmhwm_kib "$PX_PID")}"
-    stop_pid "$PX_PID"
+    # One fresh proxy per kind of traffic, so each peak is that traffic's own.
+    log "run $run: $CONNS_RSS connections, a fresh proxy for each kind of request"
+    local kind cfg P
+    for kind in get replay first; do
+      cfg=$(write_config "rss-$kind-$run")
+      [ "$kind" = replay ] && record "$("$STORE_TOOL" prefill --config "$cfg" --from 0 --to 10000)"
+      start_proxy "$cfg"
+      P="http://127.0.0.1:$PX_PORT"
+      case $kind in
+        get) measure "$run" rss "rss-get-c$CONNS_RSS" "$CONNS_RSS" "$P" "/api/weather?city=paris" GET ;;
+        replay) measure "$run" rss "rss-replay-c$CONNS_RSS" "$CONNS_RSS" "$P" "/api/send" POST pool 10000 r ;;
+        first) measure "$run" rss "rss-first-c$CONNS_RSS" "$CONNS_RSS" "$P" "/api/send" POST unique 0 "c$run$RANDOM" ;;
+      esac
+      record "{\"kind\":\"rss\",\"run\":$run,\"name\":\"$kind\",\"conns\":$CONNS_RSS,\"vmhwm_kib\":$(vmhwm_kib "$PX_PID")}"
+      stop_pid "$PX_PID"
+    done
   fi
 
   if want scale; then
