@@ -60,6 +60,7 @@ pub async fn start(cfg: Config, store: Arc<dyn Store>) -> anyhow::Result<Running
     let listen = cfg.listen;
     let lease = cfg.store.lease;
     let gc_every = cfg.store.gc_interval;
+    let reconcile_every = cfg.store.reconcile_interval;
     let exclusive = matches!(cfg.store.backend, StoreBackend::Redb { .. });
     // A redb file is locked by one process: every `executing` record in it belongs to a
     // previous run that died, whatever its lease says. A shared store waits for leases.
@@ -82,6 +83,9 @@ pub async fn start(cfg: Config, store: Arc<dyn Store>) -> anyhow::Result<Running
     let (tx, mut rx) = tokio::sync::watch::channel(false);
     let keeper = recovery::spawn_lease_keeper(store.clone(), proxy.owner.clone(), lease);
     let gc = recovery::spawn_gc(store.clone(), gc_every);
+    // First pass right away: what a crashed predecessor left unknown is looked up now,
+    // not when its client happens to retry.
+    let reconciler = crate::proxy::reconcile::spawn(proxy.clone(), reconcile_every);
     let p = proxy.clone();
     let task = tokio::spawn(async move {
         let handler = move |req, peer| p.clone().handle(req, peer);
@@ -91,6 +95,7 @@ pub async fn start(cfg: Config, store: Arc<dyn Store>) -> anyhow::Result<Running
         crate::wire::server::serve(listener, handler, shutdown, Duration::from_secs(30)).await;
         keeper.abort();
         gc.abort();
+        reconciler.abort();
     });
     tracing::info!(%addr, "proxy listening");
     Ok(Running {

@@ -67,3 +67,65 @@ fn announce(name: &str) {
 #[cfg(not(feature = "failpoints"))]
 #[inline(always)]
 pub async fn hit(_name: &'static str) {}
+
+/// For `in_flight`: when armed, wrap a request body so that the returned receiver fires
+/// once hyper has taken its last frame (the whole request is handed to the connection,
+/// whose own task keeps writing it while the caller parks). Bodies hyper never polls
+/// (empty ones) never fire: the point is then not reached.
+#[cfg(feature = "failpoints")]
+pub fn watch_sent(
+    name: &'static str,
+    body: crate::wire::body::ProxyBody,
+) -> (
+    crate::wire::body::ProxyBody,
+    Option<tokio::sync::oneshot::Receiver<()>>,
+) {
+    use http_body_util::BodyExt as _;
+    if !armed(name) {
+        return (body, None);
+    }
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let body = crate::wire::body::NotifyOnEnd::new(body, move || {
+        let _ = tx.send(());
+    })
+    .boxed();
+    (body, Some(rx))
+}
+
+#[cfg(not(feature = "failpoints"))]
+#[inline(always)]
+pub fn watch_sent(
+    _name: &'static str,
+    body: crate::wire::body::ProxyBody,
+) -> (
+    crate::wire::body::ProxyBody,
+    Option<tokio::sync::oneshot::Receiver<()>>,
+) {
+    (body, None)
+}
+
+/// For `after_answer` on every side-effect answer (not only committed ones): when armed,
+/// announce and park once the client connection has taken the whole answer.
+#[cfg(feature = "failpoints")]
+pub fn on_answer(
+    resp: http::Response<crate::wire::body::ProxyBody>,
+) -> http::Response<crate::wire::body::ProxyBody> {
+    use http_body_util::BodyExt as _;
+    if !armed("after_answer") {
+        return resp;
+    }
+    resp.map(|b| {
+        crate::wire::body::NotifyOnEnd::new(b, || {
+            tokio::spawn(hit("after_answer"));
+        })
+        .boxed()
+    })
+}
+
+#[cfg(not(feature = "failpoints"))]
+#[inline(always)]
+pub fn on_answer(
+    resp: http::Response<crate::wire::body::ProxyBody>,
+) -> http::Response<crate::wire::body::ProxyBody> {
+    resp
+}

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use idemproxy::config::{Config, DEFAULT_PATH};
+use idemproxy::config::{Config, StoreBackend, DEFAULT_PATH};
 use idemproxy::policy::state::State;
 
 #[derive(Parser)]
@@ -191,6 +191,20 @@ async fn run(cmd: Command) -> ExitCode {
             };
             async {
                 let store = idemproxy::app::open_store(&cfg).await?;
+                // What `serve` does on start: a redb file we could open has no running
+                // owner, so its `executing` records are stale; a shared store only
+                // gives up expired leases. Either way they become `outcome_unknown`.
+                let exclusive = matches!(cfg.store.backend, StoreBackend::Redb { .. });
+                let before = if exclusive {
+                    i64::MAX
+                } else {
+                    idemproxy::store::now_ms()
+                };
+                let moved =
+                    idemproxy::proxy::recovery::recover_stale(store.as_ref(), before).await?;
+                if moved > 0 {
+                    eprintln!("{moved} execution(s) left executing by a stopped proxy are now outcome_unknown");
+                }
                 let by = std::env::var("USER").unwrap_or_else(|_| "operator".into());
                 let r = idemproxy::app::resolve(
                     store.as_ref(),

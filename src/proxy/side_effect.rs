@@ -1,7 +1,10 @@
 //! Side-effect routes: the lifecycle `admit → identify → fingerprint → claim/decide →
-//! forward → record → respond`. The invariants of SPEC section 5 are kept here: the record
-//! is durably `executing` before the first byte goes downstream, and durably `committed`
-//! with the full answer before the client sees it.
+//! (reconcile) → forward → record → respond`. The invariants of SPEC section 5 are kept
+//! here: the record is durably `executing` before the first byte goes downstream, and
+//! durably `committed` with the full answer before the client sees it. A retry of an
+//! `outcome_unknown` record is reconciled first (SPEC section 7, [`reconcile`]) and never
+//! blindly re-sent. The only retry inside the proxy is of a send that provably never left
+//! (connect, DNS, TLS), under the same execution.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -13,13 +16,14 @@ use http::{HeaderValue, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 
-use super::{downstream, passthrough, Proxy, Runtime};
+use super::{downstream, passthrough, reconcile as lookup, Proxy, Runtime};
 use crate::config::{Concurrent, On5xx, Route};
 use crate::failpoint;
 use crate::metrics::{Metrics, RouteLabels};
 use crate::policy::classify::Target;
 use crate::policy::fingerprint::{args_hash, RequestParts};
 use crate::policy::identity::{self, ArgsHash, ExecutionId, KeyLookup, TenantScope};
+use crate::policy::reconcile::{self, Plan, Verdict};
 use crate::policy::state::{Event, State};
 use crate::store::{now_ms, Claim, Lease, NewRecord, Record, StoreError, StoredResponse};
 use crate::wire::body::{self, BoxError, NotifyOnEnd, ProxyBody};
@@ -106,7 +110,7 @@ pub async fn handle(
         tenant,
         peer,
     };
-    call.run().await
+    failpoint::on_answer(call.run().await)
 }
 
 /// Buffer the request body up to the limit; a side effect must be hashed and may be sent
@@ -165,10 +169,36 @@ struct Call<'a> {
 /// What to do with an existing record.
 enum Decision {
     Respond(Response<ProxyBody>),
-    /// Move the record with this event and send (Start, or Resend to a replaying downstream).
+    /// Move the record with this event (`Start`) and send.
     Execute(Event),
+    /// `outcome_unknown`: find out before anything is sent again (SPEC section 7).
+    Reconcile,
     /// Another attempt owns it; hold this duplicate and look again.
     Wait,
+}
+
+/// Where a send stands relative to earlier sends of the same execution.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SendMode {
+    /// Nothing was sent before, or the earlier attempt is known not to have committed.
+    First,
+    /// Re-sent under the same key after an unknown outcome: the downstream replays keyed
+    /// requests. Failing to reach it leaves the record `outcome_unknown`, never `failed`.
+    Resend,
+}
+
+/// How one try of a send ended.
+enum Sent {
+    Answer(http::response::Parts, Bytes),
+    Timeout,
+    Failed(SendFailure, String),
+}
+
+/// What reconciling a retry led to.
+enum Step {
+    Respond(Response<ProxyBody>),
+    /// The record changed under us: read it again.
+    Again,
 }
 
 impl Call<'_> {
@@ -196,7 +226,8 @@ impl Call<'_> {
                 Some(r) => r,
                 None => match self.proxy.store.claim(self.new_record()).await {
                     Ok(Claim::Claimed(r)) if r.state() == State::Executing => {
-                        return self.execute(r).await
+                        failpoint::hit("after_prepared").await;
+                        return self.execute(r, SendMode::First).await;
                     }
                     Ok(Claim::Claimed(r)) => return self.approval_required(&r),
                     Ok(Claim::Existing(r)) => r,
@@ -212,14 +243,21 @@ impl Call<'_> {
                             .execution(&self.id)
                             .into_response();
                     }
-                    r.lease = Some(self.lease());
+                    self.own(&mut r);
                     match self.proxy.store.update(r).await {
-                        Ok(r) => return self.execute(r).await,
+                        Ok(r) => {
+                            failpoint::hit("after_prepared").await;
+                            return self.execute(r, SendMode::First).await;
+                        }
                         // Someone else moved it first: look again.
                         Err(StoreError::Conflict { .. }) => continue,
                         Err(e) => return self.store_failed(e),
                     }
                 }
+                Decision::Reconcile => match self.reconcile(record).await {
+                    Step::Respond(resp) => return resp,
+                    Step::Again => continue,
+                },
                 Decision::Wait => {
                     if tokio::time::Instant::now() >= deadline {
                         return self.in_flight();
@@ -262,9 +300,23 @@ impl Call<'_> {
         r.apply(event, now, None)
             .expect("prepared accepts both start and request_approval");
         if r.state() == State::Executing {
-            r.lease = Some(self.lease());
+            self.own(&mut r);
         }
         r
+    }
+
+    /// Take ownership of a record about to be sent: our lease and, where a re-send may
+    /// follow, the exact body that is going out.
+    fn own(&self, r: &mut Record) {
+        r.lease = Some(self.lease());
+        if self
+            .route()
+            .downstream_key
+            .as_ref()
+            .is_some_and(|k| k.replays)
+        {
+            r.sent_body = Some(self.body.to_vec());
+        }
     }
 
     fn lease(&self) -> Lease {
@@ -312,27 +364,26 @@ impl Call<'_> {
                 Concurrent::Wait => Decision::Wait,
                 Concurrent::Reject => Decision::Respond(self.in_flight()),
             },
-            State::OutcomeUnknown => Decision::Respond(
-                Problem::new(
-                    Kind::OutcomeUnknown,
-                    "an earlier attempt may or may not have taken effect; it is not re-sent until reconciled or resolved by an operator",
-                )
-                .execution(&self.id)
-                .header(STATUS, HeaderValue::from_static("outcome_unknown"))
-                .into_response(),
-            )
-            .conflict(),
-            State::Prepared | State::Approved | State::FailedBeforeCommit => Decision::Execute(Event::Start),
+            State::OutcomeUnknown => Decision::Reconcile,
+            State::Prepared | State::Approved | State::FailedBeforeCommit => {
+                Decision::Execute(Event::Start)
+            }
             State::AwaitingApproval => Decision::Respond(self.approval_required(r)),
             State::Rejected => Decision::Respond(
-                Problem::new(Kind::Rejected, "an operator rejected this call; it will not be sent")
-                    .execution(&self.id)
-                    .into_response(),
+                Problem::new(
+                    Kind::Rejected,
+                    "an operator rejected this call; it will not be sent",
+                )
+                .execution(&self.id)
+                .into_response(),
             ),
             State::CancelledBeforeCommit => Decision::Respond(
-                Problem::new(Kind::Cancelled, "the operation was cancelled before this call was sent")
-                    .execution(&self.id)
-                    .into_response(),
+                Problem::new(
+                    Kind::Cancelled,
+                    "the operation was cancelled before this call was sent",
+                )
+                .execution(&self.id)
+                .into_response(),
             ),
         }
     }
@@ -371,20 +422,152 @@ impl Call<'_> {
         .into_response()
     }
 
-    /// Send the request downstream under a record that is durably `executing`.
-    async fn execute(&self, record: Record) -> Response<ProxyBody> {
-        failpoint::hit("before_downstream").await;
+    /// Reconcile a retry of an `outcome_unknown` record (SPEC section 7): re-send under the
+    /// same key to a downstream that replays, else ask the lookup, else leave it to an
+    /// operator. Nothing is sent again unless that is known to be safe.
+    async fn reconcile(&self, record: Record) -> Step {
+        let route = self.route();
+        let (upstream_name, route_name) = (&self.target.upstream.name, &route.name);
+        match reconcile::plan(route) {
+            Plan::Resend => {
+                let mut r = record;
+                let note = "re-sent under the same key: the downstream replays keyed requests";
+                if let Err(e) = r.apply(Event::Resend, now_ms(), Some(note.into())) {
+                    return Step::Respond(self.internal(e.to_string()));
+                }
+                r.lease = Some(self.lease());
+                match self.proxy.store.update(r).await {
+                    Ok(r) => {
+                        tracing::info!(execution_id = %self.id, "outcome unknown: re-sending under the same key");
+                        self.metrics()
+                            .reconciled(upstream_name, route_name, "resent");
+                        failpoint::hit("after_prepared").await;
+                        Step::Respond(self.execute(r, SendMode::Resend).await)
+                    }
+                    Err(StoreError::Conflict { .. }) => Step::Again,
+                    Err(e) => Step::Respond(self.store_failed(e)),
+                }
+            }
+            Plan::Lookup(spec) => {
+                let limit = self.rt.config.limits.max_response_bytes;
+                let verdict = lookup::lookup(
+                    self.client,
+                    self.target.upstream,
+                    route,
+                    spec,
+                    &record,
+                    Some(&self.parts.headers),
+                    limit,
+                )
+                .await;
+                let result = verdict.name();
+                match verdict {
+                    found @ Verdict::Found { .. } => {
+                        let mut r = record;
+                        if !lookup::apply_found(&mut r, found) {
+                            return Step::Again;
+                        }
+                        match self.proxy.store.update(r).await {
+                            Ok(r) => {
+                                tracing::info!(execution_id = %self.id, "outcome unknown: the lookup found the effect; committed");
+                                self.metrics().reconciled(upstream_name, route_name, result);
+                                self.count_prevented();
+                                Step::Respond(self.replay(&r))
+                            }
+                            Err(StoreError::Conflict { .. }) => Step::Again,
+                            Err(e) => Step::Respond(self.store_failed(e)),
+                        }
+                    }
+                    Verdict::NotFound => match reconcile::settled(&record, spec.settle, now_ms()) {
+                        Ok(()) => {
+                            let mut r = record;
+                            let note = "reconciled: the lookup did not find the effect; executing under the same key";
+                            let moved = r
+                                .apply(Event::ResolveNotCommitted, now_ms(), Some(note.into()))
+                                .and_then(|()| r.apply(Event::Start, now_ms(), None));
+                            if let Err(e) = moved {
+                                return Step::Respond(self.internal(e.to_string()));
+                            }
+                            self.own(&mut r);
+                            // One write for both moves: nobody can act on the in-between state.
+                            match self.proxy.store.update(r).await {
+                                Ok(r) => {
+                                    tracing::info!(execution_id = %self.id, "outcome unknown: the lookup did not find the effect; executing");
+                                    self.metrics().reconciled(upstream_name, route_name, result);
+                                    failpoint::hit("after_prepared").await;
+                                    Step::Respond(self.execute(r, SendMode::First).await)
+                                }
+                                Err(StoreError::Conflict { .. }) => Step::Again,
+                                Err(e) => Step::Respond(self.store_failed(e)),
+                            }
+                        }
+                        Err(left) => {
+                            self.metrics()
+                                .reconciled(upstream_name, route_name, "unknown");
+                            self.count_prevented();
+                            Step::Respond(self.unknown_retry(
+                                format!("the lookup did not find the effect, but the last attempt may still be in progress downstream (settle window {:?}); it is not re-sent yet", spec.settle),
+                                Some(left),
+                            ))
+                        }
+                    },
+                    Verdict::Unknown(why) => {
+                        tracing::warn!(execution_id = %self.id, reason = %why, "outcome unknown: the lookup proved nothing");
+                        self.metrics().reconciled(upstream_name, route_name, result);
+                        self.count_prevented();
+                        Step::Respond(self.unknown_retry(
+                            format!("{why}; the earlier attempt may or may not have taken effect and is not re-sent"),
+                            Some(Duration::from_secs(5)),
+                        ))
+                    }
+                }
+            }
+            Plan::Operator => {
+                self.count_prevented();
+                Step::Respond(self.unknown_retry(
+                    "an earlier attempt may or may not have taken effect, and this route has no way to find out (no replaying downstream key, no reconcile lookup); it stays unknown until an operator resolves it".into(),
+                    None,
+                ))
+            }
+        }
+    }
+
+    fn count_prevented(&self) {
+        self.metrics()
+            .duplicates_prevented
+            .get_or_create(&self.labels())
+            .inc();
+    }
+
+    fn internal(&self, why: String) -> Response<ProxyBody> {
+        Problem::new(Kind::Internal, why)
+            .execution(&self.id)
+            .into_response()
+    }
+
+    /// `409` problem `outcome-unknown` for a retry. `Retry-After` is set only when the
+    /// proxy expects to learn more (a settle window, a lookup to try again); without it the
+    /// record waits for an operator and retrying will not change the answer.
+    fn unknown_retry(&self, why: String, retry_after: Option<Duration>) -> Response<ProxyBody> {
+        let mut p = Problem::new(Kind::OutcomeUnknown, why)
+            .execution(&self.id)
+            .header(STATUS, HeaderValue::from_static("outcome_unknown"));
+        if let Some(d) = retry_after {
+            let secs = d.as_millis().div_ceil(1000).max(1);
+            p = p.header("retry-after", HeaderValue::from(secs as u64));
+        }
+        let mut resp = p.into_response();
+        *resp.status_mut() = StatusCode::CONFLICT;
+        resp
+    }
+
+    /// The downstream request for one try (a fresh one per try: bodies are consumed).
+    fn request(&self, body: Bytes) -> Result<Request<ProxyBody>, String> {
         let route = self.route();
         let upstream = self.target.upstream;
         let rel = downstream::rel_with_query(self.target, self.parts.uri.query());
-        let uri = match downstream::uri(upstream, &rel) {
-            Ok(u) => u,
-            Err(e) => {
-                return self
-                    .finish_failed(record, format!("cannot build upstream URI: {e}"), None)
-                    .await
-            }
-        };
+        let uri = downstream::uri(upstream, &rel)
+            .map_err(|e| format!("cannot build upstream URI: {e}"))?;
         let mut headers = downstream::request_headers(
             &self.parts.headers,
             upstream,
@@ -398,22 +581,28 @@ impl Call<'_> {
                 downstream::header_value(self.id.as_str()),
             );
         }
-        let req = downstream::build(
+        Ok(downstream::build(
             self.parts.method.clone(),
             uri,
             headers,
-            body::full(self.body.clone()),
-        );
-        tracing::info!(execution_id = %self.id, upstream = %upstream.name, route = %route.name, attempt = record.attempts, "executing");
-        self.metrics().attempts.get_or_create(&self.labels()).inc();
-        let started = tokio::time::Instant::now();
-        let sent = tokio::time::timeout(route.timeout, async {
+            body::full(body),
+        ))
+    }
+
+    /// One try: send and read the whole answer within the route's timeout.
+    async fn send(&self, req: Request<ProxyBody>) -> Sent {
+        let route = self.route();
+        let (req, sent) = {
+            let (parts, b) = req.into_parts();
+            let (b, sent) = failpoint::watch_sent("in_flight", b);
+            (Request::from_parts(parts, b), sent)
+        };
+        let work = tokio::time::timeout(route.timeout, async {
             let resp = self
                 .client
                 .request(req)
                 .await
                 .map_err(|e| (client::classify(&e), client::describe(&e)))?;
-            failpoint::hit("in_flight").await;
             let (rparts, rbody) = resp.into_parts();
             let limit = self.rt.config.limits.max_response_bytes;
             let bytes = Limited::new(rbody, limit)
@@ -427,23 +616,92 @@ impl Call<'_> {
                 })?
                 .to_bytes();
             Ok::<_, (SendFailure, String)>((rparts, bytes))
-        })
-        .await;
+        });
+        let outcome = match sent {
+            None => work.await,
+            Some(sent) => {
+                // Failpoint `in_flight`: once the request is handed over, stop here (outside
+                // the timeout, which would otherwise end the park).
+                tokio::pin!(work);
+                tokio::select! {
+                    biased;
+                    r = &mut work => r,
+                    Ok(()) = sent => {
+                        failpoint::hit("in_flight").await;
+                        work.await
+                    }
+                }
+            }
+        };
+        match outcome {
+            Err(_) => Sent::Timeout,
+            Ok(Err((failure, why))) => Sent::Failed(failure, why),
+            Ok(Ok((parts, bytes))) => Sent::Answer(parts, bytes),
+        }
+    }
+
+    /// Send the request downstream under a record that is durably `executing`.
+    async fn execute(&self, record: Record, mode: SendMode) -> Response<ProxyBody> {
+        let route = self.route();
+        let upstream = self.target.upstream;
+        // A re-send must be byte-identical to what the downstream saw first.
+        let body = match (mode, &record.sent_body) {
+            (SendMode::Resend, Some(b)) => Bytes::from(b.clone()),
+            _ => self.body.clone(),
+        };
+        tracing::info!(execution_id = %self.id, upstream = %upstream.name, route = %route.name, attempt = record.attempts, resend = mode == SendMode::Resend, "executing");
+        self.metrics().attempts.get_or_create(&self.labels()).inc();
+        let started = tokio::time::Instant::now();
+        // Executor retries: only a send that provably never left (connect, DNS, TLS) is
+        // tried again, under the same execution; anything else is the model's business.
+        let tries = route.retry.attempts.max(1);
+        let mut backoff = route.retry.backoff;
+        let mut tried = 1;
+        let sent = loop {
+            let req = match self.request(body.clone()) {
+                Ok(r) => r,
+                Err(why) => break Sent::Failed(SendFailure::BeforeSend, why),
+            };
+            failpoint::hit("before_downstream").await;
+            match self.send(req).await {
+                Sent::Failed(SendFailure::BeforeSend, why) if tried < tries => {
+                    tracing::debug!(execution_id = %self.id, try_no = tried, reason = %why, "nothing was sent; trying again under the same execution");
+                    tokio::time::sleep(backoff).await;
+                    backoff = backoff.saturating_mul(2);
+                    tried += 1;
+                }
+                other => break other,
+            }
+        };
         let elapsed = started.elapsed();
         self.metrics()
             .upstream_duration
             .get_or_create(&self.labels())
             .observe(elapsed.as_secs_f64());
         match sent {
-            Err(_) => {
+            Sent::Timeout => {
                 let why = format!("no complete answer within {:?}", route.timeout);
                 self.finish_unknown(record, why, true).await
             }
-            Ok(Err((SendFailure::BeforeSend, why))) => self.finish_failed(record, why, None).await,
-            Ok(Err((SendFailure::AfterSend, why))) => self.finish_unknown(record, why, false).await,
-            Ok(Ok((rparts, bytes))) => {
+            Sent::Failed(SendFailure::BeforeSend, why) => match mode {
+                SendMode::First => self.finish_failed(record, why, None).await,
+                SendMode::Resend => {
+                    let why =
+                        format!("{why} (re-send; the earlier attempt's outcome is still unknown)");
+                    self.finish_unknown(record, why, false).await
+                }
+            },
+            Sent::Failed(SendFailure::AfterSend, why) => {
+                self.finish_unknown(record, why, false).await
+            }
+            Sent::Answer(rparts, bytes) => {
                 failpoint::hit("after_remote_commit").await;
                 tracing::debug!(execution_id = %self.id, status = %rparts.status, elapsed_ms = elapsed.as_millis() as u64, "downstream answered");
+                if mode == SendMode::Resend && rparts.status == StatusCode::CONFLICT {
+                    // A downstream that dedups keyed requests answers 409 while the
+                    // original request with this key is still being processed.
+                    return self.finish_still_in_flight(record).await;
+                }
                 let mut rheaders = rparts.headers;
                 downstream::response_headers(&mut rheaders);
                 let stored = StoredResponse {
@@ -477,6 +735,22 @@ impl Call<'_> {
                 }
             }
         }
+    }
+
+    /// A re-send found the original request still in progress downstream: still unknown,
+    /// and worth asking again shortly.
+    async fn finish_still_in_flight(&self, record: Record) -> Response<ProxyBody> {
+        let why = "the downstream reports the original request with this key is still in progress (409 on re-send)".to_string();
+        tracing::info!(execution_id = %self.id, "re-send: the original request is still in progress downstream");
+        if let Err(e) = self
+            .transition(record, Event::LoseOutcome, Some(why.clone()))
+            .await
+        {
+            tracing::error!(execution_id = %self.id, error = %e, "could not record outcome_unknown");
+        } else {
+            failpoint::hit("after_local_commit").await;
+        }
+        self.unknown_retry(why, Some(Duration::from_secs(1)))
     }
 
     /// Write `record` after applying `event`; on a fencing conflict, return what is stored now.
@@ -567,6 +841,8 @@ impl Call<'_> {
             .await
         {
             tracing::error!(execution_id = %self.id, error = %e, "could not record failed_before_commit");
+        } else {
+            failpoint::hit("after_local_commit").await;
         }
         match downstream {
             Some(stored) => {
@@ -594,11 +870,17 @@ impl Call<'_> {
         timeout: bool,
     ) -> Response<ProxyBody> {
         tracing::warn!(execution_id = %self.id, reason = %why, "outcome unknown");
+        self.metrics()
+            .outcome_unknown
+            .get_or_create(&self.labels())
+            .inc();
         if let Err(e) = self
             .transition(record, Event::LoseOutcome, Some(why.clone()))
             .await
         {
             tracing::error!(execution_id = %self.id, error = %e, "could not record outcome_unknown");
+        } else {
+            failpoint::hit("after_local_commit").await;
         }
         self.unknown_problem(why, timeout)
     }
@@ -610,8 +892,14 @@ impl Call<'_> {
         stored: StoredResponse,
     ) -> Response<ProxyBody> {
         tracing::warn!(execution_id = %self.id, reason = %why, "outcome unknown");
+        self.metrics()
+            .outcome_unknown
+            .get_or_create(&self.labels())
+            .inc();
         if let Err(e) = self.transition(record, Event::LoseOutcome, Some(why)).await {
             tracing::error!(execution_id = %self.id, error = %e, "could not record outcome_unknown");
+        } else {
+            failpoint::hit("after_local_commit").await;
         }
         let mut resp = stored_response(&stored, &self.id);
         resp.headers_mut()
@@ -672,19 +960,6 @@ impl Call<'_> {
         tracing::info!(execution_id = %self.id, "replayed stored result");
         self.metrics().replays.get_or_create(&self.labels()).inc();
         self.respond(r, true)
-    }
-}
-
-impl Decision {
-    /// `outcome-unknown` on retry is a 409 (SPEC section 7), not the 502 of the first attempt.
-    fn conflict(self) -> Decision {
-        match self {
-            Decision::Respond(mut resp) => {
-                *resp.status_mut() = StatusCode::CONFLICT;
-                Decision::Respond(resp)
-            }
-            d => d,
-        }
     }
 }
 
