@@ -549,16 +549,14 @@ impl Call<'_> {
     /// proxy expects to learn more (a settle window, a lookup to try again); without it the
     /// record waits for an operator and retrying will not change the answer.
     fn unknown_retry(&self, why: String, retry_after: Option<Duration>) -> Response<ProxyBody> {
-        let mut p = Problem::new(Kind::OutcomeUnknown, why)
+        let mut p = Problem::new(Kind::OutcomeUnknownPending, why)
             .execution(&self.id)
             .header(STATUS, HeaderValue::from_static("outcome_unknown"));
         if let Some(d) = retry_after {
             let secs = d.as_millis().div_ceil(1000).max(1);
             p = p.header("retry-after", HeaderValue::from(secs as u64));
         }
-        let mut resp = p.into_response();
-        *resp.status_mut() = StatusCode::CONFLICT;
-        resp
+        p.into_response()
     }
 
     /// The downstream request for one try (a fresh one per try: bodies are consumed).

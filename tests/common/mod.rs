@@ -278,3 +278,15 @@ pub fn records(config: &Path) -> Vec<String> {
         .map(str::to_string)
         .collect()
 }
+
+/// Wait (at most 5 s) until the fake downstream has received a request on `path`.
+pub async fn wait_for_hit(ds: &fake_downstream::FakeDownstream, path: &str) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while ds.hits_on(path) == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "no request reached the downstream on {path}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
