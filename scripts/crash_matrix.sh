@@ -73,6 +73,25 @@ DOC
   cat "$report"
   cat <<'DOC'
 
+## Why some cells end `outcome_unknown`
+
+Where neither the downstream nor a lookup can tell what happened, the honest end is an explicit
+`outcome_unknown`, and none of those cells has a duplicate:
+
+- `no_idempotency` and `500_before_commit` at `after_prepared` / `before_downstream`: the
+  durable record says `executing` (written before the first byte, as it must be). After a crash,
+  "never sent" and "sent, answer lost" look the same, so it becomes `outcome_unknown`, never
+  `failed_before_commit`, and nothing is re-sent (0 commits).
+- the same behaviours at `in_flight` / `after_remote_commit`: the downstream has the request
+  (and committed it, for `no_idempotency`), the proxy died before recording the answer. For
+  `500_before_commit` the 500 said "not committed", but the proxy never got to record it.
+- Once the attempt's outcome is recorded (`after_local_commit`, `after_answer`) every cell ends
+  with the result: the committed answer is replayed, or the recorded `failed_before_commit`
+  lets the retry execute under the same key.
+
+A downstream that replays keyed requests, or a `reconcile` lookup, turns every one of these
+into the original result (the other five behaviours).
+
 ## Where the failpoints are
 
 See `src/failpoint.rs` for the list and `src/proxy/side_effect.rs` for the places.

@@ -20,15 +20,17 @@ use crate::wire::client::{self, HttpClient};
 use crate::wire::headers;
 
 /// Send `spec`'s lookup for `record` and judge the answer. `client_headers` are the
-/// retrying client's headers (credentials the downstream expects), when there is a client;
-/// the spec's own headers are set on top. Never fails: trouble is [`Verdict::Unknown`].
+/// retrying client's headers as prepared for the downstream (hop-by-hop and the client's
+/// key already removed; they carry the credentials the downstream expects), when there is
+/// a client; the spec's own headers are set on top. Never fails: trouble is
+/// [`Verdict::Unknown`].
 pub async fn lookup(
     client: &HttpClient,
     upstream: &Upstream,
     route: &Route,
     spec: &ReconcileSpec,
     record: &Record,
-    client_headers: Option<&HeaderMap>,
+    client_headers: Option<HeaderMap>,
     max_bytes: usize,
 ) -> Verdict {
     let rel = match reconcile::render(&spec.path, record) {
@@ -41,7 +43,7 @@ pub async fn lookup(
     };
     let mut h = HeaderMap::new();
     if let Some(src) = client_headers {
-        h = src.clone();
+        h = src;
         headers::strip_hop_by_hop(&mut h);
         for name in [
             http::header::HOST,
@@ -52,11 +54,10 @@ pub async fn lookup(
         ] {
             h.remove(name);
         }
-        // The lookup is not the side effect: it carries no idempotency key of any kind.
+        // The lookup is not the side effect: it carries no idempotency key.
         if let Some(dk) = &route.downstream_key {
             h.remove(&dk.header);
         }
-        h.remove("idempotency-key");
     }
     if let Ok(v) = HeaderValue::from_str(upstream.authority.as_str()) {
         h.insert(http::header::HOST, v);

@@ -450,13 +450,19 @@ impl Call<'_> {
             }
             Plan::Lookup(spec) => {
                 let limit = self.rt.config.limits.max_response_bytes;
+                let headers = downstream::request_headers(
+                    &self.parts.headers,
+                    self.target.upstream,
+                    self.peer,
+                    &[&self.rt.config.identity.key_header],
+                );
                 let verdict = lookup::lookup(
                     self.client,
                     self.target.upstream,
                     route,
                     spec,
                     &record,
-                    Some(&self.parts.headers),
+                    Some(headers),
                     limit,
                 )
                 .await;
