@@ -1,7 +1,9 @@
 //! Side-effect routes: the lifecycle `admit → identify → fingerprint → claim/decide →
 //! forward → record → respond`. The invariants of SPEC section 5 are kept here: the record
 //! is durably `executing` before the first byte goes downstream, and durably `committed`
-//! with the full answer before the client sees it.
+//! with the full answer before the client sees it. Two operator decisions are enforced
+//! here too: a call only runs on an approval that covers its arguments and has not expired,
+//! and nothing more is sent under a cancelled operation (SPEC section 8).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -21,7 +23,9 @@ use crate::policy::classify::Target;
 use crate::policy::fingerprint::{args_hash, RequestParts};
 use crate::policy::identity::{self, ArgsHash, ExecutionId, KeyLookup, TenantScope};
 use crate::policy::state::{Event, State};
-use crate::store::{now_ms, Claim, Lease, NewRecord, Record, StoreError, StoredResponse};
+use crate::store::{
+    now_ms, Claim, Lease, NewRecord, OperationMark, Record, StoreError, StoredResponse,
+};
 use crate::wire::body::{self, BoxError, NotifyOnEnd, ProxyBody};
 use crate::wire::client::{self, HttpClient, SendFailure};
 use crate::wire::headers::{EXECUTION_ID, REPLAYED, STATUS};
@@ -167,6 +171,8 @@ enum Decision {
     Respond(Response<ProxyBody>),
     /// Move the record with this event and send (Start, or Resend to a replaying downstream).
     Execute(Event),
+    /// The approval no longer covers the call (the text says why): ask for a new one.
+    Reapprove(String),
     /// Another attempt owns it; hold this duplicate and look again.
     Wait,
 }
@@ -195,10 +201,7 @@ impl Call<'_> {
             let record = match current {
                 Some(r) => r,
                 None => match self.proxy.store.claim(self.new_record()).await {
-                    Ok(Claim::Claimed(r)) if r.state() == State::Executing => {
-                        return self.execute(r).await
-                    }
-                    Ok(Claim::Claimed(r)) => return self.approval_required(&r),
+                    Ok(Claim::Claimed(r)) => return self.proceed(r).await,
                     Ok(Claim::Existing(r)) => r,
                     Err(e) => return self.store_failed(e),
                 },
@@ -214,8 +217,22 @@ impl Call<'_> {
                     }
                     r.lease = Some(self.lease());
                     match self.proxy.store.update(r).await {
+                        Ok(r) if event == Event::Start => return self.proceed(r).await,
                         Ok(r) => return self.execute(r).await,
                         // Someone else moved it first: look again.
+                        Err(StoreError::Conflict { .. }) => continue,
+                        Err(e) => return self.store_failed(e),
+                    }
+                }
+                Decision::Reapprove(why) => {
+                    let mut r = record;
+                    if let Err(e) = r.apply(Event::ApprovalLapsed, now_ms(), Some(why)) {
+                        return Problem::new(Kind::Internal, e.to_string())
+                            .execution(&self.id)
+                            .into_response();
+                    }
+                    match self.proxy.store.update(r).await {
+                        Ok(r) => return self.approval_required(&r),
                         Err(StoreError::Conflict { .. }) => continue,
                         Err(e) => return self.store_failed(e),
                     }
@@ -322,7 +339,11 @@ impl Call<'_> {
                 .into_response(),
             )
             .conflict(),
-            State::Prepared | State::Approved | State::FailedBeforeCommit => Decision::Execute(Event::Start),
+            State::Prepared => Decision::Execute(Event::Start),
+            State::Approved | State::FailedBeforeCommit => match self.approval_gap(r) {
+                None => Decision::Execute(Event::Start),
+                Some(why) => Decision::Reapprove(why),
+            },
             State::AwaitingApproval => Decision::Respond(self.approval_required(r)),
             State::Rejected => Decision::Respond(
                 Problem::new(Kind::Rejected, "an operator rejected this call; it will not be sent")
@@ -347,18 +368,97 @@ impl Call<'_> {
         .into_response()
     }
 
+    /// Why the record may not start on a route that requires approval, if it may not: a
+    /// call runs only on an unexpired approval of exactly its arguments.
+    fn approval_gap(&self, r: &Record) -> Option<String> {
+        if !self.route().approval.as_ref().is_some_and(|a| a.required) {
+            return None;
+        }
+        match &r.approval {
+            None => Some("no approval is on record for this call".into()),
+            Some(a) if a.args_hash != r.args_hash => {
+                Some("the approval on record covers other arguments".into())
+            }
+            Some(a) if a.expires_at_ms.is_some_and(|t| t <= now_ms()) => Some(format!(
+                "the approval by {} expired before the call was sent",
+                a.by
+            )),
+            Some(_) => None,
+        }
+    }
+
+    /// The record is durably claimed (`executing`, or awaiting approval): unless its
+    /// operation was cancelled, send it or ask for approval. The mark is read after the
+    /// durable write, never before, so a concurrent cancellation either finds this record
+    /// in its listing or is found here.
+    async fn proceed(&self, r: Record) -> Response<ProxyBody> {
+        let mark = match &r.operation_id {
+            None => Ok(None),
+            Some(op) => self.proxy.store.operation(op).await,
+        };
+        match (mark, r.state()) {
+            (Ok(Some(mark)), _) => self.cancel_unsent(r, mark).await,
+            (Ok(None), State::Executing) => self.execute(r).await,
+            (Ok(None), _) => self.approval_required(&r),
+            (Err(e), State::Executing) => {
+                // Nothing was sent: fail closed without leaving an `executing` record behind.
+                let why = format!("could not check whether the operation was cancelled: {e}");
+                if let Err(e) = self.transition(r, Event::FailBeforeCommit, Some(why)).await {
+                    tracing::error!(execution_id = %self.id, error = %e, "could not record failed_before_commit");
+                }
+                self.store_failed(e)
+            }
+            (Err(e), _) => self.store_failed(e),
+        }
+    }
+
+    /// A call of a cancelled operation that was never sent becomes `cancelled_before_commit`.
+    async fn cancel_unsent(&self, mut r: Record, mark: OperationMark) -> Response<ProxyBody> {
+        let now = now_ms();
+        let note = format!(
+            "operation cancelled by {} before the call was sent",
+            mark.by
+        );
+        let moved = if r.state() == State::Executing {
+            r.apply(Event::FailBeforeCommit, now, Some(note.clone()))
+        } else {
+            Ok(())
+        }
+        .and_then(|()| r.apply(Event::Cancel, now, Some(note)));
+        if let Err(e) = moved {
+            return Problem::new(Kind::Internal, e.to_string())
+                .execution(&self.id)
+                .into_response();
+        }
+        match self.proxy.store.update(r).await {
+            Ok(_) => {
+                tracing::info!(execution_id = %self.id, "call of a cancelled operation refused before sending");
+                Problem::new(
+                    Kind::Cancelled,
+                    "the operation was cancelled before this call was sent",
+                )
+                .execution(&self.id)
+                .into_response()
+            }
+            Err(e) => self.store_failed(e),
+        }
+    }
+
     fn approval_required(&self, r: &Record) -> Response<ProxyBody> {
-        Problem::new(
-            Kind::ApprovalRequired,
-            "this call needs an operator's approval of these exact arguments",
-        )
-        .execution(&self.id)
-        .with("args_hash", r.args_hash.as_str())
-        .with(
-            "preview",
-            r.preview.clone().unwrap_or(serde_json::Value::Null),
-        )
-        .into_response()
+        let detail = match r.note.as_deref() {
+            Some(why) => {
+                format!("this call needs an operator's approval of these exact arguments ({why})")
+            }
+            None => "this call needs an operator's approval of these exact arguments".into(),
+        };
+        Problem::new(Kind::ApprovalRequired, detail)
+            .execution(&self.id)
+            .with("args_hash", r.args_hash.as_str())
+            .with(
+                "preview",
+                r.preview.clone().unwrap_or(serde_json::Value::Null),
+            )
+            .into_response()
     }
 
     fn store_failed(&self, e: StoreError) -> Response<ProxyBody> {
