@@ -589,7 +589,14 @@ impl Call<'_> {
         if let Err(e) = record.apply(event, now_ms(), note) {
             return Err(StoreError::Backend(e.to_string()));
         }
-        self.proxy.store.update(record).await
+        let stored = self.proxy.store.update(record).await?;
+        if stored.state() == State::OutcomeUnknown {
+            self.metrics()
+                .outcome_unknown
+                .get_or_create(&self.labels())
+                .inc();
+        }
+        Ok(stored)
     }
 
     async fn finish_committed(
