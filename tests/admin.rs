@@ -14,44 +14,7 @@ use common::*;
 use http::{Method, StatusCode};
 use serde_json::{json, Value};
 
-const TOKEN_ENV: &str = "IDEMPROXY_TEST_ADMIN_TOKEN";
-const TOKEN: &str = "admin-token-for-tests-0123456789";
 const TENANT: (&str, &str) = ("authorization", "Bearer tenant-a");
-
-fn admin_config(dir: &Path, downstream: &str) -> String {
-    format!(
-        r#"listen: 127.0.0.1:0
-admin: {{ listen: 127.0.0.1:0, token_env: {TOKEN_ENV} }}
-store: {{ backend: redb, path: {dir}/store.redb, retention: 1h }}
-identity:
-  key_header: Idempotency-Key
-  derive_from: [X-Operation-Id, X-Model-Round, X-Tool-Call-Id]
-  tenant_from: [Authorization]
-upstreams:
-  - name: mail
-    url: {downstream}
-    mount: /mail
-    routes:
-      - {{ name: send_email, match: {{ method: POST, path: /send }} }}
-      - {{ name: drop, match: {{ method: POST, path: /drop-after-commit/send }} }}
-  - name: pay
-    url: {downstream}
-    mount: /pay
-    routes:
-      - name: transfer
-        match: {{ method: POST, path: /send }}
-        approval: {{ required: true, preview: [/amount, /to] }}
-  - name: quickpay
-    url: {downstream}
-    mount: /quickpay
-    routes:
-      - name: transfer
-        match: {{ method: POST, path: /send }}
-        approval: {{ required: true, preview: [/amount], expires: 300ms }}
-"#,
-        dir = dir.display()
-    )
-}
 
 async fn setup() -> (tempfile::TempDir, FakeDownstream, ProxyProc) {
     setup_with_env(&[]).await
@@ -60,14 +23,14 @@ async fn setup() -> (tempfile::TempDir, FakeDownstream, ProxyProc) {
 async fn setup_with_env(env: &[(&str, &str)]) -> (tempfile::TempDir, FakeDownstream, ProxyProc) {
     let dir = tempfile::tempdir().expect("tempdir");
     let ds = FakeDownstream::start().await;
-    let mut all = vec![(TOKEN_ENV, TOKEN)];
+    let mut all = vec![(ADMIN_TOKEN_ENV, ADMIN_TOKEN)];
     all.extend_from_slice(env);
     let proxy = ProxyProc::start_with_env(dir.path(), &admin_config(dir.path(), &ds.url()), &all);
     (dir, ds, proxy)
 }
 
 fn bearer() -> String {
-    format!("Bearer {TOKEN}")
+    format!("Bearer {ADMIN_TOKEN}")
 }
 
 async fn admin_get(c: &TestClient, p: &ProxyProc, path: &str) -> Resp {
@@ -141,9 +104,9 @@ async fn every_endpoint_but_healthz_needs_the_token() {
         (Method::GET, "/metrics"),
         (Method::GET, "/no/such/endpoint"),
     ];
-    let wrong = format!("Bearer {TOKEN}x");
-    let basic = format!("Basic {TOKEN}");
-    let short = format!("Bearer {}", &TOKEN[..TOKEN.len() - 1]);
+    let wrong = format!("Bearer {ADMIN_TOKEN}x");
+    let basic = format!("Basic {ADMIN_TOKEN}");
+    let short = format!("Bearer {}", &ADMIN_TOKEN[..ADMIN_TOKEN.len() - 1]);
     for (method, path) in &protected {
         for auth in [
             None,
@@ -217,14 +180,14 @@ fn refuses_to_start_without_the_token_variable() {
         let mut cmd = std::process::Command::new(BIN);
         cmd.args(["serve", "--config"]).arg(&config);
         match value {
-            None => cmd.env_remove(TOKEN_ENV),
-            Some(v) => cmd.env(TOKEN_ENV, v),
+            None => cmd.env_remove(ADMIN_TOKEN_ENV),
+            Some(v) => cmd.env(ADMIN_TOKEN_ENV, v),
         };
         let out = cmd.output().expect("run idemproxy");
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "started without a token: {stderr}");
         assert!(
-            stderr.contains(TOKEN_ENV),
+            stderr.contains(ADMIN_TOKEN_ENV),
             "message names the variable: {stderr}"
         );
         assert!(
@@ -722,6 +685,13 @@ async fn an_unknown_outcome_is_resolved_through_the_api() {
         );
     }
     assert_eq!(ds.commits(), 2);
+    let metrics = admin_get(&c, &proxy, "/metrics").await;
+    let text = String::from_utf8_lossy(&metrics.body).to_string();
+    let line = "idemproxy_outcome_unknown_total{upstream=\"mail\",route=\"drop\"} 2";
+    assert!(
+        text.lines().any(|l| l == line),
+        "missing {line:?} in\n{text}"
+    );
     let listed = admin_get(&c, &proxy, "/v1/executions?status=outcome_unknown")
         .await
         .json();
@@ -868,7 +838,7 @@ async fn no_secret_reaches_a_log_line() {
     )
     .await;
     assert_eq!(run.status, StatusCode::CREATED);
-    let wrong_admin = format!("Bearer {TOKEN}-wrong");
+    let wrong_admin = format!("Bearer {ADMIN_TOKEN}-wrong");
     let refused = send(
         &c,
         Method::GET,
@@ -892,7 +862,7 @@ async fn no_secret_reaches_a_log_line() {
     for line in &lines {
         let parsed: Result<Value, _> = serde_json::from_str(line);
         assert!(parsed.is_ok(), "not a JSON log line: {line}");
-        for secret in [BODY_SECRET, TENANT_SECRET, PREVIEW_SECRET, TOKEN] {
+        for secret in [BODY_SECRET, TENANT_SECRET, PREVIEW_SECRET, ADMIN_TOKEN] {
             assert!(!line.contains(secret), "secret {secret:?} logged: {line}");
         }
     }

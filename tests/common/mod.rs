@@ -295,3 +295,45 @@ pub fn records(config: &Path) -> Vec<String> {
         .map(str::to_string)
         .collect()
 }
+
+/// The admin token tests start the proxy with (in the variable [`ADMIN_TOKEN_ENV`]).
+pub const ADMIN_TOKEN: &str = "admin-token-for-tests-0123456789";
+pub const ADMIN_TOKEN_ENV: &str = "IDEMPROXY_TEST_ADMIN_TOKEN";
+
+/// A config with an admin listener: `mail` (plain and drop-after-commit sends), `pay`
+/// (approval required, preview `/amount` and `/to`) and `quickpay` (approval expiring
+/// after 300 ms), all on the fake downstream.
+pub fn admin_config(dir: &Path, downstream: &str) -> String {
+    format!(
+        r#"listen: 127.0.0.1:0
+admin: {{ listen: 127.0.0.1:0, token_env: {ADMIN_TOKEN_ENV} }}
+store: {{ backend: redb, path: {dir}/store.redb, retention: 1h }}
+identity:
+  key_header: Idempotency-Key
+  derive_from: [X-Operation-Id, X-Model-Round, X-Tool-Call-Id]
+  tenant_from: [Authorization]
+upstreams:
+  - name: mail
+    url: {downstream}
+    mount: /mail
+    routes:
+      - {{ name: send_email, match: {{ method: POST, path: /send }} }}
+      - {{ name: drop, match: {{ method: POST, path: /drop-after-commit/send }} }}
+  - name: pay
+    url: {downstream}
+    mount: /pay
+    routes:
+      - name: transfer
+        match: {{ method: POST, path: /send }}
+        approval: {{ required: true, preview: [/amount, /to] }}
+  - name: quickpay
+    url: {downstream}
+    mount: /quickpay
+    routes:
+      - name: transfer
+        match: {{ method: POST, path: /send }}
+        approval: {{ required: true, preview: [/amount], expires: 300ms }}
+"#,
+        dir = dir.display()
+    )
+}

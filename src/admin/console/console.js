@@ -116,7 +116,6 @@ function previewList(preview) {
 
 function facts(r) {
   return el("p", { class: "facts" },
-    el("span", { class: "route" }, `${r.upstream} / ${r.route}`), " ",
     el("code", {}, `${r.method} ${r.path}`), " · ",
     r.operation_id ? ["operation ", el("code", {}, r.operation_id), " · "] : null,
     "created ", when(r.created_at_ms),
@@ -145,7 +144,7 @@ function approvalCard(r) {
     },
   }, "Reject");
   return el("article", { class: "card", "data-id": r.execution_id },
-    el("h3", {}, r.route),
+    el("h3", {}, `${r.upstream} / ${r.route}`),
     facts(r), previewList(r.preview), idLine(r),
     r.note ? el("p", { class: "note" }, r.note) : null,
     el("div", { class: "actions" }, approve, reject));
@@ -168,7 +167,7 @@ function unknownCard(r) {
     return b;
   };
   return el("article", { class: "card", "data-id": r.execution_id },
-    el("h3", {}, r.route),
+    el("h3", {}, `${r.upstream} / ${r.route}`),
     facts(r), r.preview ? previewList(r.preview) : null, idLine(r),
     r.note ? el("p", { class: "note" }, r.note) : null,
     el("div", { class: "actions" },
