@@ -780,6 +780,7 @@ async fn no_secret_reaches_a_log_line() {
     const BODY_SECRET: &str = "sk_live_BODYSECRET_4242";
     const TENANT_SECRET: &str = "tenant-CREDSECRET-9191";
     const PREVIEW_SECRET: &str = "acct_PREVIEWSECRET_77";
+    const QUERY_SECRET: &str = "QUERYSECRET_5150";
     let (_dir, ds, proxy) =
         setup_with_env(&[("IDEMPROXY_LOG", "debug"), ("IDEMPROXY_LOG_FORMAT", "json")]).await;
     let c = client();
@@ -838,6 +839,27 @@ async fn no_secret_reaches_a_log_line() {
     )
     .await;
     assert_eq!(run.status, StatusCode::CREATED);
+    // Argument values in query strings, on a read-only and on a side-effect route.
+    let read = send(
+        &c,
+        Method::GET,
+        &proxy.url(&format!("/mail/messages?tag={QUERY_SECRET}")),
+        &[("authorization", &tenant)],
+        "",
+    )
+    .await;
+    assert_eq!(read.status, StatusCode::OK, "{read:?}");
+    let query = post(
+        &c,
+        &proxy.url(&format!("/mail/send?trace={QUERY_SECRET}")),
+        &[
+            ("authorization", &tenant),
+            ("idempotency-key", "k-secret-4"),
+        ],
+        &body,
+    )
+    .await;
+    assert_eq!(query.status, StatusCode::CREATED, "{query:?}");
     let wrong_admin = format!("Bearer {ADMIN_TOKEN}-wrong");
     let refused = send(
         &c,
@@ -849,7 +871,7 @@ async fn no_secret_reaches_a_log_line() {
     .await;
     assert_eq!(refused.status, StatusCode::UNAUTHORIZED);
     let _ = admin_get(&c, &proxy, &format!("/v1/executions/{id}")).await;
-    assert_eq!(ds.commits(), 3);
+    assert_eq!(ds.commits(), 4);
 
     proxy.wait_for_log("executing", Duration::from_secs(5));
     // Give the delivery writes and the admin request logs a moment to land.
@@ -859,10 +881,20 @@ async fn no_secret_reaches_a_log_line() {
     }
     let lines = proxy.stderr_lines();
     assert!(lines.len() > 10, "debug logging produced lines: {lines:?}");
+    assert!(
+        lines.iter().any(|l| l.contains("\"level\":\"DEBUG\"")),
+        "debug lines are on: {lines:?}"
+    );
     for line in &lines {
         let parsed: Result<Value, _> = serde_json::from_str(line);
         assert!(parsed.is_ok(), "not a JSON log line: {line}");
-        for secret in [BODY_SECRET, TENANT_SECRET, PREVIEW_SECRET, ADMIN_TOKEN] {
+        for secret in [
+            BODY_SECRET,
+            TENANT_SECRET,
+            PREVIEW_SECRET,
+            QUERY_SECRET,
+            ADMIN_TOKEN,
+        ] {
             assert!(!line.contains(secret), "secret {secret:?} logged: {line}");
         }
     }
