@@ -382,3 +382,75 @@ fn json<T: Serialize>(status: StatusCode, value: &T) -> Response<ProxyBody> {
     );
     resp
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn routed(method: Method, path: &str) -> Result<Endpoint, AdminError> {
+        route(&method, path)
+    }
+
+    #[test]
+    fn routes_decode_segments_and_refuse_wrong_methods() {
+        assert!(matches!(
+            routed(Method::GET, "/"),
+            Ok(Endpoint::Console("index.html"))
+        ));
+        assert!(matches!(
+            routed(Method::GET, "/v1/executions/ex_1"),
+            Ok(Endpoint::Show(id)) if id.as_str() == "ex_1"
+        ));
+        assert!(matches!(
+            routed(Method::POST, "/v1/operations/op%2F77%20x/cancel"),
+            Ok(Endpoint::Cancel(op)) if op == "op/77 x"
+        ));
+        assert!(matches!(
+            routed(Method::GET, "/v1/executions/ex_1/approve"),
+            Err(AdminError::MethodNotAllowed { allow: "POST", .. })
+        ));
+        for missing in [
+            "/v1/executions/",
+            "/v1/executions//approve",
+            "/v2/x",
+            "/console.jsx",
+        ] {
+            assert!(
+                matches!(routed(Method::GET, missing), Err(AdminError::NoEndpoint(_))),
+                "{missing}"
+            );
+        }
+        assert!(matches!(
+            routed(Method::GET, "/v1/executions/%ff"),
+            Err(AdminError::BadRequest(_))
+        ));
+        assert!(routed(Method::GET, "/healthz").is_ok_and(|e| e.is_public()));
+        assert!(routed(Method::GET, "/metrics").is_ok_and(|e| !e.is_public()));
+    }
+
+    #[test]
+    fn list_filters_are_validated() {
+        let f = list_filter(Some(
+            "status=outcome_unknown&limit=7&after=ex_3&operation=op%201",
+        ))
+        .expect("valid");
+        assert_eq!(f.status, Some(State::OutcomeUnknown));
+        assert_eq!(f.limit, 7);
+        assert_eq!(f.after.as_ref().map(|a| a.as_str()), Some("ex_3"));
+        assert_eq!(f.operation.as_deref(), Some("op 1"));
+        assert_eq!(list_filter(None).expect("defaults").limit, DEFAULT_PAGE);
+        for bad in ["status=done", "limit=0", "limit=501", "limit=x", "sort=id"] {
+            assert!(list_filter(Some(bad)).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn operator_text_is_bounded_and_one_line() {
+        assert_eq!(by(None).expect("default"), DEFAULT_BY);
+        assert_eq!(by(Some("  alice ".into())).expect("trimmed"), "alice");
+        for bad in ["", "   ", "a\nb", "a\u{7}"] {
+            assert!(by(Some(bad.into())).is_err(), "{bad:?}");
+        }
+        assert!(by(Some("x".repeat(MAX_BY_CHARS + 1))).is_err());
+    }
+}
