@@ -213,9 +213,7 @@ pub async fn resolve(
     by: &str,
 ) -> anyhow::Result<Record> {
     let id = ExecutionId(id.to_string());
-    crate::admin::actions::resolve(store, &id, committed, result, by)
-        .await
-        .map_err(|e| anyhow::anyhow!("cannot resolve {id}: {e}"))
+    Ok(crate::admin::actions::resolve(store, &id, committed, result, by).await?)
 }
 
 /// `idemproxy gc`.

@@ -20,10 +20,12 @@ pub async fn hit(name: &'static str) {
     static ARMED: OnceLock<Option<String>> = OnceLock::new();
     let armed = ARMED.get_or_init(|| std::env::var("IDEMPROXY_FAILPOINT").ok());
     if armed.as_deref() == Some(name) {
-        let mut err = std::io::stderr().lock();
-        let _ = writeln!(err, "FAILPOINT {name} reached");
-        let _ = err.flush();
-        drop(err);
+        {
+            // Scoped, not dropped: the lock must not live across the await below.
+            let mut err = std::io::stderr().lock();
+            let _ = writeln!(err, "FAILPOINT {name} reached");
+            let _ = err.flush();
+        }
         std::future::pending::<()>().await;
     }
 }

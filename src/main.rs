@@ -5,6 +5,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
+
+mod demo;
 use idemproxy::config::{Config, DEFAULT_PATH};
 use idemproxy::policy::state::State;
 
@@ -59,6 +61,8 @@ enum Command {
         #[arg(long, default_value = DEFAULT_PATH)]
         config: PathBuf,
     },
+    /// Self-contained demo: proxy + fake downstream + a retrying client through two crashes.
+    Demo,
     /// Remove records past retention.
     Gc {
         #[arg(long, default_value = DEFAULT_PATH)]
@@ -205,6 +209,7 @@ async fn run(cmd: Command) -> ExitCode {
             }
             .await
         }
+        Command::Demo => demo::run().await,
         Command::Gc { config } => match load(&config) {
             Ok(cfg) => idemproxy::app::gc(&cfg)
                 .await

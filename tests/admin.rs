@@ -6,7 +6,6 @@
 
 mod common;
 
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::fake_downstream::FakeDownstream;

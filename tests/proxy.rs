@@ -534,14 +534,7 @@ async fn sigkill_while_downstream_works_never_sends_twice() {
         }
     });
     // Wait until the downstream has the request, then crash the proxy.
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    while ds.hits_on("/send") == 0 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "request never reached the downstream"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    wait_for_hit(&ds, "/send").await;
     proxy.kill();
     assert!(
         inflight.await.expect("task").is_err(),
@@ -578,4 +571,67 @@ async fn unknown_paths_get_problems() {
     let r = send(&c, Method::GET, &proxy.url("/nowhere"), &[], "").await;
     assert_eq!(r.status, StatusCode::NOT_FOUND);
     assert_eq!(r.problem_type(), "urn:idemproxy:problem:no-route");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_that_gives_up_does_not_abort_the_execution() {
+    let (_dir, ds, proxy) = setup().await;
+    ds.set_delay(Duration::from_millis(400));
+    let c = client();
+    let url = proxy.url("/mail/send");
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(100),
+        post(
+            &c,
+            &url,
+            &[("idempotency-key", "k-impatient")],
+            r#"{"to":"a@x"}"#,
+        ),
+    )
+    .await;
+    assert!(gave_up.is_err(), "the client timed out first");
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let retry = post(
+        &client(),
+        &url,
+        &[("idempotency-key", "k-impatient")],
+        r#"{"to":"a@x"}"#,
+    )
+    .await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+    assert_eq!(
+        retry.header("idempotent-replayed"),
+        Some("true"),
+        "the proxy finished and stored the call"
+    );
+    assert_eq!(ds.commits(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn read_only_bodies_are_streamed_not_buffered() {
+    use http_body_util::BodyExt;
+    let (_dir, _ds, proxy) = setup().await;
+    let c = client();
+    // 6 chunks, 150 ms apart: a buffering proxy would deliver nothing for ~750 ms.
+    let req = http::Request::get(proxy.url("/mail/stream?chunks=6&interval_ms=150"))
+        .body(http_body_util::Full::new(bytes::Bytes::new()))
+        .expect("request");
+    let started = std::time::Instant::now();
+    let resp = c.request(req).await.expect("response");
+    assert_eq!(resp.status(), StatusCode::OK);
+    let mut body = resp.into_body();
+    let first = body.frame().await.expect("a frame").expect("ok frame");
+    assert!(first.is_data());
+    let first_at = started.elapsed();
+    let mut frames = 1;
+    while let Some(f) = body.frame().await {
+        f.expect("ok frame");
+        frames += 1;
+    }
+    let total = started.elapsed();
+    assert!(frames >= 6, "chunks arrive as separate frames ({frames})");
+    assert!(
+        first_at * 3 < total,
+        "first chunk at {first_at:?} arrived long before the end at {total:?}"
+    );
 }

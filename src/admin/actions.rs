@@ -25,10 +25,10 @@ const CANCEL_PAGE: usize = 200;
 pub enum ActionError {
     #[error("no execution record {0}")]
     NotFound(ExecutionId),
-    #[error("cannot {action} {id}: it is {state}")]
+    #[error("cannot {action} {id}: it is {state} ({illegal})", state = .illegal.from)]
     WrongState {
         id: ExecutionId,
-        state: State,
+        illegal: IllegalTransition,
         action: &'static str,
     },
     #[error(
@@ -50,7 +50,7 @@ impl ActionError {
     fn illegal(id: &ExecutionId, e: IllegalTransition, action: &'static str) -> ActionError {
         ActionError::WrongState {
             id: id.clone(),
-            state: e.from,
+            illegal: e,
             action,
         }
     }

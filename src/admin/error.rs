@@ -46,9 +46,9 @@ impl AdminError {
             }
             AdminError::Action(a) => match a {
                 ActionError::NotFound(id) => Problem::new(Kind::NotFound, detail).execution(&id),
-                ActionError::WrongState { id, state, .. } => Problem::new(Kind::Conflict, detail)
+                ActionError::WrongState { id, illegal, .. } => Problem::new(Kind::Conflict, detail)
                     .execution(&id)
-                    .with("state", state.as_str()),
+                    .with("state", illegal.from.as_str()),
                 ActionError::ApprovalMismatch { id, actual, .. } => {
                     Problem::new(Kind::ApprovalMismatch, detail)
                         .execution(&id)
@@ -73,7 +73,7 @@ impl AdminError {
 mod tests {
     use super::*;
     use crate::policy::identity::{ArgsHash, ExecutionId};
-    use crate::policy::state::State;
+    use crate::policy::state::{Event, IllegalTransition, State};
 
     #[test]
     fn statuses() {
@@ -94,7 +94,10 @@ mod tests {
             (
                 ActionError::WrongState {
                     id: id.clone(),
-                    state: State::Committed,
+                    illegal: IllegalTransition {
+                        from: State::Committed,
+                        event: Event::Approve,
+                    },
                     action: "approve",
                 }
                 .into(),

@@ -130,6 +130,25 @@ pub enum Concurrent {
     Wait,
 }
 
+impl On5xx {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            On5xx::OutcomeUnknown => "outcome_unknown",
+            On5xx::FailedBeforeCommit => "failed_before_commit",
+            On5xx::Committed => "committed",
+        }
+    }
+}
+
+impl Concurrent {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Concurrent::Reject => "reject",
+            Concurrent::Wait => "wait",
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct DownstreamKey {
     pub header: HeaderName,
@@ -294,8 +313,8 @@ impl Config {
                         ),
                         None => "downstream_key=none".into(),
                     });
-                    details.push(format!("on_5xx={:?}", r.on_5xx).to_lowercase());
-                    details.push(format!("concurrent={:?}", r.concurrent).to_lowercase());
+                    details.push(format!("on_5xx={}", r.on_5xx.as_str()));
+                    details.push(format!("concurrent={}", r.concurrent.as_str()));
                     if r.reconcile.is_some() {
                         details.push("reconcile".into());
                     }

@@ -139,6 +139,24 @@ impl Validator {
         }
     }
 
+    /// A required name of letters, digits, `-`, `_` and `.`.
+    fn name(&mut self, path: &str, v: Option<String>, hint: &str) -> String {
+        match v {
+            Some(n) if is_name(&n) => n,
+            Some(n) => {
+                self.err(
+                    format!("{path}.name"),
+                    format!("expected a name of letters, digits, -, _ and ., found `{n}`"),
+                );
+                n
+            }
+            None => {
+                self.err(format!("{path}.name"), format!("missing ({hint})"));
+                "?".into()
+            }
+        }
+    }
+
     fn pointer(&mut self, path: &str, p: &str) {
         if let Err(e) = validate_pointer(p) {
             self.err(path, e);
@@ -333,23 +351,7 @@ impl Validator {
         store: &StoreConfig,
         t: &Timeouts,
     ) -> Option<Upstream> {
-        let name = match u.name {
-            Some(n) if is_name(&n) => n,
-            Some(n) => {
-                self.err(
-                    format!("{path}.name"),
-                    format!("expected a name of letters, digits, - and _, found `{n}`"),
-                );
-                n
-            }
-            None => {
-                self.err(
-                    format!("{path}.name"),
-                    "missing (every upstream needs a name)",
-                );
-                String::from("?")
-            }
-        };
+        let name = self.name(path, u.name, "every upstream needs a name");
         let (scheme, authority, base_path) = match u.url.as_deref() {
             None => {
                 self.err(
@@ -472,23 +474,7 @@ impl Validator {
         store: &StoreConfig,
         timeout: Duration,
     ) -> Option<Route> {
-        let name = match r.name {
-            Some(n) if is_name(&n) => n,
-            Some(n) => {
-                self.err(
-                    format!("{path}.name"),
-                    format!("expected a name of letters, digits, - and _, found `{n}`"),
-                );
-                n
-            }
-            None => {
-                self.err(
-                    format!("{path}.name"),
-                    "missing (the tool name, e.g. send_email)",
-                );
-                "?".into()
-            }
-        };
+        let name = self.name(path, r.name, "the tool name, e.g. send_email");
         let Some(m) = r.matcher else {
             self.err(
                 format!("{path}.match"),

@@ -45,6 +45,47 @@ pub struct Target<'a> {
     pub params: Vec<(String, String)>,
 }
 
+impl<'a> Target<'a> {
+    /// An owned handle, for work that must outlive the request's borrow of the config.
+    pub fn to_owned_ref(&self) -> OwnedTarget {
+        OwnedTarget {
+            upstream_index: self.upstream_index,
+            route_ref: self.route_ref,
+            rel_path: self.rel_path.clone(),
+            params: self.params.clone(),
+        }
+    }
+}
+
+/// A classification result detached from the config borrow (see [`Target::to_owned_ref`]).
+#[derive(Debug, Clone)]
+pub struct OwnedTarget {
+    pub upstream_index: usize,
+    pub route_ref: RouteRef,
+    pub rel_path: String,
+    pub params: Vec<(String, String)>,
+}
+
+impl OwnedTarget {
+    /// Borrow the target again from the same config it was classified against.
+    pub fn bind<'a>(&self, upstreams: &'a [Upstream]) -> Target<'a> {
+        let upstream = &upstreams[self.upstream_index];
+        let route = match self.route_ref {
+            RouteRef::Declared(i) => &upstream.routes[i],
+            RouteRef::FallbackSideEffect => &upstream.fallback_side_effect,
+            RouteRef::FallbackReadOnly => &upstream.fallback_read_only,
+        };
+        Target {
+            upstream_index: self.upstream_index,
+            upstream,
+            route_ref: self.route_ref,
+            route,
+            rel_path: self.rel_path.clone(),
+            params: self.params.clone(),
+        }
+    }
+}
+
 impl RouteTable {
     pub fn build(upstreams: &[Upstream]) -> Result<RouteTable, Vec<Issue>> {
         let mut issues = Vec::new();

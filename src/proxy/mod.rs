@@ -106,7 +106,27 @@ impl Proxy {
                         passthrough::forward(&rt, &client, &target, req, peer, true).await
                     }
                     Class::SideEffect => {
-                        side_effect::handle(&self, &rt, &client, &target, req, peer).await
+                        // hyper drops the service future when the client disconnects. A
+                        // side effect must not stop half-way (it would sit `executing`
+                        // until a restart), so it runs as its own task to completion.
+                        let owned = target.to_owned_ref();
+                        let proxy = self.clone();
+                        let rt = rt.clone();
+                        let task = tokio::spawn(async move {
+                            let target = owned.bind(&rt.config.upstreams);
+                            side_effect::handle(&proxy, &rt, &client, &target, req, peer).await
+                        });
+                        match task.await {
+                            Ok(resp) => resp,
+                            Err(e) => {
+                                tracing::error!(error = %e, "side-effect task failed");
+                                Problem::new(
+                                    Kind::Internal,
+                                    "the request handler failed; see the proxy log",
+                                )
+                                .into_response()
+                            }
+                        }
                     }
                 }
             }

@@ -331,14 +331,13 @@ impl Call<'_> {
             },
             State::OutcomeUnknown => Decision::Respond(
                 Problem::new(
-                    Kind::OutcomeUnknown,
+                    Kind::OutcomeUnknownPending,
                     "an earlier attempt may or may not have taken effect; it is not re-sent until reconciled or resolved by an operator",
                 )
                 .execution(&self.id)
                 .header(STATUS, HeaderValue::from_static("outcome_unknown"))
                 .into_response(),
-            )
-            .conflict(),
+            ),
             State::Prepared => Decision::Execute(Event::Start),
             State::Approved | State::FailedBeforeCommit => match self.approval_gap(r) {
                 None => Decision::Execute(Event::Start),
@@ -779,19 +778,6 @@ impl Call<'_> {
         tracing::info!(execution_id = %self.id, "replayed stored result");
         self.metrics().replays.get_or_create(&self.labels()).inc();
         self.respond(r, true)
-    }
-}
-
-impl Decision {
-    /// `outcome-unknown` on retry is a 409 (SPEC section 7), not the 502 of the first attempt.
-    fn conflict(self) -> Decision {
-        match self {
-            Decision::Respond(mut resp) => {
-                *resp.status_mut() = StatusCode::CONFLICT;
-                Decision::Respond(resp)
-            }
-            d => d,
-        }
     }
 }
 

@@ -17,6 +17,8 @@ pub enum Kind {
     InFlight,
     OutcomeUnknown,
     OutcomeUnknownTimeout,
+    /// A retry of an execution whose outcome is still unknown (409, not re-sent).
+    OutcomeUnknownPending,
     BodyTooLarge,
     ResponseTooLarge,
     ApprovalRequired,
@@ -44,7 +46,9 @@ impl Kind {
             Kind::KeyInvalid => "key-invalid",
             Kind::KeyMismatch => "key-mismatch",
             Kind::InFlight => "in-flight",
-            Kind::OutcomeUnknown | Kind::OutcomeUnknownTimeout => "outcome-unknown",
+            Kind::OutcomeUnknown | Kind::OutcomeUnknownTimeout | Kind::OutcomeUnknownPending => {
+                "outcome-unknown"
+            }
             Kind::BodyTooLarge => "body-too-large",
             Kind::ResponseTooLarge => "response-too-large",
             Kind::ApprovalRequired => "approval-required",
@@ -69,9 +73,11 @@ impl Kind {
         match self {
             Kind::KeyMissing | Kind::KeyInvalid | Kind::BadRequest => StatusCode::BAD_REQUEST,
             Kind::KeyMismatch => StatusCode::UNPROCESSABLE_ENTITY,
-            Kind::InFlight | Kind::Cancelled | Kind::Conflict | Kind::ApprovalMismatch => {
-                StatusCode::CONFLICT
-            }
+            Kind::InFlight
+            | Kind::Cancelled
+            | Kind::Conflict
+            | Kind::ApprovalMismatch
+            | Kind::OutcomeUnknownPending => StatusCode::CONFLICT,
             Kind::OutcomeUnknown | Kind::UpstreamUnavailable | Kind::ResponseTooLarge => {
                 StatusCode::BAD_GATEWAY
             }
@@ -93,7 +99,9 @@ impl Kind {
             Kind::KeyInvalid => "Idempotency key invalid",
             Kind::KeyMismatch => "Idempotency key reused with different arguments",
             Kind::InFlight => "Execution in flight",
-            Kind::OutcomeUnknown | Kind::OutcomeUnknownTimeout => "Outcome unknown",
+            Kind::OutcomeUnknown | Kind::OutcomeUnknownTimeout | Kind::OutcomeUnknownPending => {
+                "Outcome unknown"
+            }
             Kind::BodyTooLarge => "Request body too large",
             Kind::ResponseTooLarge => "Upstream response too large",
             Kind::ApprovalRequired => "Approval required",

@@ -296,6 +296,18 @@ pub fn records(config: &Path) -> Vec<String> {
         .collect()
 }
 
+/// Wait (at most 5 s) until the fake downstream has received a request on `path`.
+pub async fn wait_for_hit(ds: &fake_downstream::FakeDownstream, path: &str) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while ds.hits_on(path) == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "no request reached the downstream on {path}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 /// The admin token tests start the proxy with (in the variable [`ADMIN_TOKEN_ENV`]).
 pub const ADMIN_TOKEN: &str = "admin-token-for-tests-0123456789";
 pub const ADMIN_TOKEN_ENV: &str = "IDEMPROXY_TEST_ADMIN_TOKEN";

@@ -1,0 +1,197 @@
+//! Process-level operations: graceful drain on SIGTERM, SIGHUP reload, retention and the
+//! offline `records` / `gc` / `resolve` commands against the redb file.
+
+mod common;
+
+use std::time::Duration;
+
+use common::fake_downstream::FakeDownstream;
+use common::*;
+use http::StatusCode;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_drains_the_request_in_flight() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ds = FakeDownstream::start().await;
+    ds.set_delay(Duration::from_millis(500));
+    let proxy = ProxyProc::start(dir.path(), &config(dir.path(), &ds.url()));
+    let c = client();
+    let url = proxy.url("/mail/send");
+    let call =
+        tokio::spawn(async move { post(&c, &url, &[("idempotency-key", "k-drain")], "{}").await });
+    wait_for_hit(&ds, "/send").await;
+    let status = tokio::task::spawn_blocking(move || proxy.terminate())
+        .await
+        .expect("join");
+    assert_eq!(status.code(), Some(0));
+    let r = call.await.expect("task");
+    assert_eq!(
+        r.status,
+        StatusCode::CREATED,
+        "the in-flight call finished before exit: {r:?}"
+    );
+    let rows = records(&dir.path().join("idemproxy.yaml"));
+    assert!(
+        rows.iter()
+            .any(|r| r.contains("result_delivered") || r.contains("committed")),
+        "{rows:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sighup_reloads_routes_and_keeps_serving() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ds = FakeDownstream::start().await;
+    let yaml = config(dir.path(), &ds.url());
+    let proxy = ProxyProc::start(dir.path(), &yaml);
+    let c = client();
+    let before = send(&c, http::Method::GET, &proxy.url("/mail2/weather"), &[], "").await;
+    assert_eq!(before.status, StatusCode::NOT_FOUND);
+    // Add a second mount and reload.
+    let reloaded = yaml.replace(
+        "upstreams:\n",
+        &format!(
+            "upstreams:\n  - name: mail2\n    url: {}\n    mount: /mail2\n",
+            ds.url()
+        ),
+    );
+    std::fs::write(&proxy.config_path, reloaded).expect("write");
+    let st = std::process::Command::new("kill")
+        .args(["-HUP", &proxy.pid().to_string()])
+        .status()
+        .expect("kill");
+    assert!(st.success());
+    proxy.wait_for_log("configuration reloaded", Duration::from_secs(5));
+    let after = send(
+        &c,
+        http::Method::GET,
+        &proxy.url("/mail2/weather?city=Rome"),
+        &[],
+        "",
+    )
+    .await;
+    assert_eq!(after.status, StatusCode::OK);
+    // A broken file is rejected and the running config stays.
+    std::fs::write(&proxy.config_path, "upstreams: [oops").expect("write");
+    let st = std::process::Command::new("kill")
+        .args(["-HUP", &proxy.pid().to_string()])
+        .status()
+        .expect("kill");
+    assert!(st.success());
+    proxy.wait_for_log("reload rejected", Duration::from_secs(5));
+    let still = send(
+        &c,
+        http::Method::GET,
+        &proxy.url("/mail2/weather?city=Rome"),
+        &[],
+        "",
+    )
+    .await;
+    assert_eq!(still.status, StatusCode::OK);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn retention_gc_and_offline_commands() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ds = FakeDownstream::start().await;
+    let yaml = config(dir.path(), &ds.url()).replace(
+        "      - {{ name: send_keyed".replace("{{", "{").as_str(),
+        "      - { name: short, match: { method: POST, path: /echo/short }, retention: 1s }\n      - { name: send_keyed",
+    );
+    let proxy = ProxyProc::start(dir.path(), &yaml);
+    let c = client();
+    let keep = post(
+        &c,
+        &proxy.url("/mail/send"),
+        &[("idempotency-key", "k-keep")],
+        "{}",
+    )
+    .await;
+    assert_eq!(keep.status, StatusCode::CREATED);
+    let short = post(
+        &c,
+        &proxy.url("/mail/echo/short"),
+        &[("idempotency-key", "k-short")],
+        "{}",
+    )
+    .await;
+    assert_eq!(short.status, StatusCode::OK, "{short:?}");
+    let dropped = post(
+        &c,
+        &proxy.url("/mail/drop-after-commit/send"),
+        &[("idempotency-key", "k-unknown")],
+        "{}",
+    )
+    .await;
+    let unknown_id = dropped
+        .header("idempotency-execution-id")
+        .expect("id")
+        .to_string();
+    // While the proxy runs, the redb file is locked: offline commands say so.
+    let cfg = proxy.config_path.clone();
+    let cfg_s = cfg.to_str().expect("utf-8").to_string();
+    let locked = cli(&["records", "list", "--config", &cfg_s]);
+    assert_eq!(locked.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&locked.stderr).contains("already open"),
+        "{}",
+        String::from_utf8_lossy(&locked.stderr)
+    );
+    proxy.terminate();
+    assert_eq!(records(&cfg).len(), 3);
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let gc = cli(&["gc", "--config", &cfg_s]);
+    assert!(
+        gc.status.success(),
+        "{}",
+        String::from_utf8_lossy(&gc.stderr)
+    );
+    assert!(String::from_utf8_lossy(&gc.stdout).contains("removed 1 records"));
+    let rows = records(&cfg);
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    assert!(!rows.iter().any(|r| r.contains("mail/short")));
+    // records show prints the record as JSON; no request body is stored in it.
+    let show = cli(&["records", "show", &unknown_id, "--config", &cfg_s]);
+    assert!(show.status.success());
+    let rec: serde_json::Value = serde_json::from_slice(&show.stdout).expect("json");
+    assert_eq!(rec["state"], "outcome_unknown");
+    // Operator resolution through the CLI, validated by the state machine.
+    let res = cli(&[
+        "resolve",
+        &unknown_id,
+        "--as",
+        "committed",
+        "--config",
+        &cfg_s,
+    ]);
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    let again = cli(&[
+        "resolve",
+        &unknown_id,
+        "--as",
+        "not-committed",
+        "--config",
+        &cfg_s,
+    ]);
+    assert_eq!(
+        again.status.code(),
+        Some(1),
+        "committed cannot be resolved again"
+    );
+    assert!(String::from_utf8_lossy(&again.stderr).contains("illegal transition"));
+    // The resolved record now replays.
+    let proxy = ProxyProc::start(dir.path(), &yaml);
+    let r = post(
+        &c,
+        &proxy.url("/mail/drop-after-commit/send"),
+        &[("idempotency-key", "k-unknown")],
+        "{}",
+    )
+    .await;
+    assert_eq!(r.header("idempotent-replayed"), Some("true"), "{r:?}");
+    assert_eq!(ds.hits_on("/drop-after-commit/send"), 1);
+}
