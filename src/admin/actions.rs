@@ -200,17 +200,26 @@ pub async fn resolve(
         // cancelled after a side effect.
         if let Some(op) = &r.operation_id {
             if let Some(mark) = store.operation(op).await? {
-                store
-                    .mark_operation(OperationMark {
-                        state: OperationState::CancelledAfterSideEffect,
-                        updated_at_ms: now_ms(),
-                        ..mark
-                    })
-                    .await?;
+                after_side_effect(store, mark).await?;
             }
         }
     }
     Ok(r)
+}
+
+/// Move a cancelled operation's mark to `cancelled_after_side_effect`: one of its calls
+/// is known to have committed.
+async fn after_side_effect(
+    store: &dyn Store,
+    mark: OperationMark,
+) -> Result<OperationMark, StoreError> {
+    store
+        .mark_operation(OperationMark {
+            state: OperationState::CancelledAfterSideEffect,
+            updated_at_ms: now_ms(),
+            ..mark
+        })
+        .await
 }
 
 fn synthetic_result(id: &ExecutionId) -> StoredResponse {
@@ -281,13 +290,7 @@ pub async fn cancel(
         }
     }
     if !report.committed.is_empty() && mark.state == OperationState::Cancelled {
-        mark = store
-            .mark_operation(OperationMark {
-                state: OperationState::CancelledAfterSideEffect,
-                updated_at_ms: now_ms(),
-                ..mark
-            })
-            .await?;
+        mark = after_side_effect(store, mark).await?;
     }
     tracing::info!(
         operation_id = op,
@@ -376,15 +379,7 @@ pub async fn operation_status(
     records.truncate(limit);
     if let Some(m) = mark.clone() {
         if m.state == OperationState::Cancelled && records.iter().any(|r| r.state().has_result()) {
-            mark = Some(
-                store
-                    .mark_operation(OperationMark {
-                        state: OperationState::CancelledAfterSideEffect,
-                        updated_at_ms: now_ms(),
-                        ..m
-                    })
-                    .await?,
-            );
+            mark = Some(after_side_effect(store, m).await?);
         }
     }
     Ok(OperationStatus {
