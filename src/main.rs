@@ -240,31 +240,12 @@ async fn run(cmd: Command) -> ExitCode {
     }
 }
 
-/// `--result` file: status, headers as pairs, body as any JSON value (stored as its text).
+/// `--result` file: status, headers as pairs, body as any JSON value (stored as its text);
+/// the same shape as the admin API's `result`.
 fn read_result(path: &std::path::Path) -> anyhow::Result<idemproxy::store::StoredResponse> {
-    #[derive(serde::Deserialize)]
-    #[serde(deny_unknown_fields)]
-    struct ResultFile {
-        status: u16,
-        #[serde(default)]
-        headers: Vec<(String, String)>,
-        body: serde_json::Value,
-    }
     let text = std::fs::read_to_string(path)?;
-    let f: ResultFile = serde_json::from_str(&text)?;
-    let mut headers: Vec<(String, Vec<u8>)> = f
-        .headers
-        .into_iter()
-        .map(|(n, v)| (n.to_ascii_lowercase(), v.into_bytes()))
-        .collect();
-    if !headers.iter().any(|(n, _)| n == "content-type") {
-        headers.push(("content-type".into(), b"application/json".to_vec()));
-    }
-    Ok(idemproxy::store::StoredResponse {
-        status: f.status,
-        headers,
-        body: serde_json::to_vec(&f.body)?,
-    })
+    let spec: idemproxy::admin::actions::ResultSpec = serde_json::from_str(&text)?;
+    spec.into_stored().map_err(anyhow::Error::msg)
 }
 
 fn init_logging(format: LogFormat) {

@@ -138,6 +138,24 @@ pub fn apply_found(record: &mut Record, verdict: Verdict) -> bool {
     true
 }
 
+/// A reconciliation found `record`'s effect: if its operation was cancelled meanwhile, the
+/// operation is now cancelled after a side effect (as when an operator resolves it).
+pub async fn found_under_cancelled_operation(store: &dyn Store, record: &Record) {
+    let Some(op) = &record.operation_id else {
+        return;
+    };
+    let marked = match store.operation(op).await {
+        Ok(Some(mark)) => crate::admin::actions::after_side_effect(store, mark)
+            .await
+            .map(|_| ()),
+        Ok(None) => Ok(()),
+        Err(e) => Err(e),
+    };
+    if let Err(e) = marked {
+        tracing::error!(execution_id = %record.id, error = %e, "could not mark the cancelled operation as cancelled after a side effect");
+    }
+}
+
 /// Look up (route, upstream index) of a stored record in the running config.
 fn route_of<'a>(
     rt: &'a super::Runtime,
@@ -232,6 +250,7 @@ pub async fn pass(proxy: &Proxy, budget: usize) -> Result<Pass, StoreError> {
                     tracing::info!(execution_id = %r.id, upstream = %r.upstream, route = %r.route, result, state = %r.state(), "reconciled in the background");
                     proxy.metrics.reconciled(&r.upstream, &r.route, result);
                     if r.state() == State::Committed {
+                        found_under_cancelled_operation(store, &r).await;
                         done.found += 1;
                     } else {
                         done.not_found += 1;

@@ -4,7 +4,9 @@
 //! durably `committed` with the full answer before the client sees it. A retry of an
 //! `outcome_unknown` record is reconciled first (SPEC section 7, [`reconcile`]) and never
 //! blindly re-sent. The only retry inside the proxy is of a send that provably never left
-//! (connect, DNS, TLS), under the same execution.
+//! (connect, DNS, TLS), under the same execution. Two operator decisions are enforced here
+//! too: a call only runs on an approval that covers its arguments and has not expired, and
+//! nothing more is sent under a cancelled operation (SPEC section 8).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -25,7 +27,9 @@ use crate::policy::fingerprint::{args_hash, RequestParts};
 use crate::policy::identity::{self, ArgsHash, ExecutionId, KeyLookup, TenantScope};
 use crate::policy::reconcile::{self, Plan, Verdict};
 use crate::policy::state::{Event, State};
-use crate::store::{now_ms, Claim, Lease, NewRecord, Record, StoreError, StoredResponse};
+use crate::store::{
+    now_ms, Claim, Lease, NewRecord, OperationMark, Record, StoreError, StoredResponse,
+};
 use crate::wire::body::{self, BoxError, NotifyOnEnd, ProxyBody};
 use crate::wire::client::{self, HttpClient, SendFailure};
 use crate::wire::headers::{EXECUTION_ID, REPLAYED, STATUS};
@@ -173,6 +177,8 @@ enum Decision {
     Execute(Event),
     /// `outcome_unknown`: find out before anything is sent again (SPEC section 7).
     Reconcile,
+    /// The approval no longer covers the call (the text says why): ask for a new one.
+    Reapprove(String),
     /// Another attempt owns it; hold this duplicate and look again.
     Wait,
 }
@@ -225,11 +231,7 @@ impl Call<'_> {
             let record = match current {
                 Some(r) => r,
                 None => match self.proxy.store.claim(self.new_record()).await {
-                    Ok(Claim::Claimed(r)) if r.state() == State::Executing => {
-                        failpoint::hit("after_prepared").await;
-                        return self.execute(r, SendMode::First).await;
-                    }
-                    Ok(Claim::Claimed(r)) => return self.approval_required(&r),
+                    Ok(Claim::Claimed(r)) => return self.proceed(r).await,
                     Ok(Claim::Existing(r)) => r,
                     Err(e) => return self.store_failed(e),
                 },
@@ -245,10 +247,7 @@ impl Call<'_> {
                     }
                     self.own(&mut r);
                     match self.proxy.store.update(r).await {
-                        Ok(r) => {
-                            failpoint::hit("after_prepared").await;
-                            return self.execute(r, SendMode::First).await;
-                        }
+                        Ok(r) => return self.proceed(r).await,
                         // Someone else moved it first: look again.
                         Err(StoreError::Conflict { .. }) => continue,
                         Err(e) => return self.store_failed(e),
@@ -258,6 +257,19 @@ impl Call<'_> {
                     Step::Respond(resp) => return resp,
                     Step::Again => continue,
                 },
+                Decision::Reapprove(why) => {
+                    let mut r = record;
+                    if let Err(e) = r.apply(Event::ApprovalLapsed, now_ms(), Some(why)) {
+                        return Problem::new(Kind::Internal, e.to_string())
+                            .execution(&self.id)
+                            .into_response();
+                    }
+                    match self.proxy.store.update(r).await {
+                        Ok(r) => return self.approval_required(&r),
+                        Err(StoreError::Conflict { .. }) => continue,
+                        Err(e) => return self.store_failed(e),
+                    }
+                }
                 Decision::Wait => {
                     if tokio::time::Instant::now() >= deadline {
                         return self.in_flight();
@@ -365,9 +377,11 @@ impl Call<'_> {
                 Concurrent::Reject => Decision::Respond(self.in_flight()),
             },
             State::OutcomeUnknown => Decision::Reconcile,
-            State::Prepared | State::Approved | State::FailedBeforeCommit => {
-                Decision::Execute(Event::Start)
-            }
+            State::Prepared => Decision::Execute(Event::Start),
+            State::Approved | State::FailedBeforeCommit => match self.approval_gap(r) {
+                None => Decision::Execute(Event::Start),
+                Some(why) => Decision::Reapprove(why),
+            },
             State::AwaitingApproval => Decision::Respond(self.approval_required(r)),
             State::Rejected => Decision::Respond(
                 Problem::new(
@@ -398,18 +412,100 @@ impl Call<'_> {
         .into_response()
     }
 
+    /// Why the record may not start on a route that requires approval, if it may not: a
+    /// call runs only on an unexpired approval of exactly its arguments.
+    fn approval_gap(&self, r: &Record) -> Option<String> {
+        if !self.route().approval.as_ref().is_some_and(|a| a.required) {
+            return None;
+        }
+        match &r.approval {
+            None => Some("no approval is on record for this call".into()),
+            Some(a) if a.args_hash != r.args_hash => {
+                Some("the approval on record covers other arguments".into())
+            }
+            Some(a) if a.expires_at_ms.is_some_and(|t| t <= now_ms()) => Some(format!(
+                "the approval by {} expired before the call was sent",
+                a.by
+            )),
+            Some(_) => None,
+        }
+    }
+
+    /// The record is durably claimed (`executing`, or awaiting approval): unless its
+    /// operation was cancelled, send it or ask for approval. The mark is read after the
+    /// durable write, never before, so a concurrent cancellation either finds this record
+    /// in its listing or is found here.
+    async fn proceed(&self, r: Record) -> Response<ProxyBody> {
+        let mark = match &r.operation_id {
+            None => Ok(None),
+            Some(op) => self.proxy.store.operation(op).await,
+        };
+        match (mark, r.state()) {
+            (Ok(Some(mark)), _) => self.cancel_unsent(r, mark).await,
+            (Ok(None), State::Executing) => {
+                failpoint::hit("after_prepared").await;
+                self.execute(r, SendMode::First).await
+            }
+            (Ok(None), _) => self.approval_required(&r),
+            (Err(e), State::Executing) => {
+                // Nothing was sent: fail closed without leaving an `executing` record behind.
+                let why = format!("could not check whether the operation was cancelled: {e}");
+                if let Err(e) = self.transition(r, Event::FailBeforeCommit, Some(why)).await {
+                    tracing::error!(execution_id = %self.id, error = %e, "could not record failed_before_commit");
+                }
+                self.store_failed(e)
+            }
+            (Err(e), _) => self.store_failed(e),
+        }
+    }
+
+    /// A call of a cancelled operation that was never sent becomes `cancelled_before_commit`.
+    async fn cancel_unsent(&self, mut r: Record, mark: OperationMark) -> Response<ProxyBody> {
+        let now = now_ms();
+        let note = format!(
+            "operation cancelled by {} before the call was sent",
+            mark.by
+        );
+        let moved = if r.state() == State::Executing {
+            r.apply(Event::FailBeforeCommit, now, Some(note.clone()))
+        } else {
+            Ok(())
+        }
+        .and_then(|()| r.apply(Event::Cancel, now, Some(note)));
+        if let Err(e) = moved {
+            return Problem::new(Kind::Internal, e.to_string())
+                .execution(&self.id)
+                .into_response();
+        }
+        match self.proxy.store.update(r).await {
+            Ok(_) => {
+                tracing::info!(execution_id = %self.id, "call of a cancelled operation refused before sending");
+                Problem::new(
+                    Kind::Cancelled,
+                    "the operation was cancelled before this call was sent",
+                )
+                .execution(&self.id)
+                .into_response()
+            }
+            Err(e) => self.store_failed(e),
+        }
+    }
+
     fn approval_required(&self, r: &Record) -> Response<ProxyBody> {
-        Problem::new(
-            Kind::ApprovalRequired,
-            "this call needs an operator's approval of these exact arguments",
-        )
-        .execution(&self.id)
-        .with("args_hash", r.args_hash.as_str())
-        .with(
-            "preview",
-            r.preview.clone().unwrap_or(serde_json::Value::Null),
-        )
-        .into_response()
+        let detail = match r.note.as_deref() {
+            Some(why) => {
+                format!("this call needs an operator's approval of these exact arguments ({why})")
+            }
+            None => "this call needs an operator's approval of these exact arguments".into(),
+        };
+        Problem::new(Kind::ApprovalRequired, detail)
+            .execution(&self.id)
+            .with("args_hash", r.args_hash.as_str())
+            .with(
+                "preview",
+                r.preview.clone().unwrap_or(serde_json::Value::Null),
+            )
+            .into_response()
     }
 
     fn store_failed(&self, e: StoreError) -> Response<ProxyBody> {
@@ -430,6 +526,22 @@ impl Call<'_> {
         let (upstream_name, route_name) = (&self.target.upstream.name, &route.name);
         match reconcile::plan(route) {
             Plan::Resend => {
+                // A re-send may create the effect if the first attempt never did: not
+                // under an operation that was cancelled meanwhile.
+                let mark = match &record.operation_id {
+                    None => None,
+                    Some(op) => match self.proxy.store.operation(op).await {
+                        Ok(m) => m,
+                        Err(e) => return Step::Respond(self.store_failed(e)),
+                    },
+                };
+                if let Some(mark) = mark {
+                    self.count_prevented();
+                    return Step::Respond(self.unknown_retry(
+                        format!("the operation was cancelled by {}; the earlier attempt may or may not have taken effect and nothing more is sent", mark.by),
+                        None,
+                    ));
+                }
                 let mut r = record;
                 let note = "re-sent under the same key: the downstream replays keyed requests";
                 if let Err(e) = r.apply(Event::Resend, now_ms(), Some(note.into())) {
@@ -476,6 +588,11 @@ impl Call<'_> {
                         match self.proxy.store.update(r).await {
                             Ok(r) => {
                                 tracing::info!(execution_id = %self.id, "outcome unknown: the lookup found the effect; committed");
+                                lookup::found_under_cancelled_operation(
+                                    self.proxy.store.as_ref(),
+                                    &r,
+                                )
+                                .await;
                                 self.metrics().reconciled(upstream_name, route_name, result);
                                 self.count_prevented();
                                 Step::Respond(self.replay(&r))
@@ -487,21 +604,19 @@ impl Call<'_> {
                     Verdict::NotFound => match reconcile::settled(&record, spec.settle, now_ms()) {
                         Ok(()) => {
                             let mut r = record;
-                            let note = "reconciled: the lookup did not find the effect; executing under the same key";
-                            let moved = r
-                                .apply(Event::ResolveNotCommitted, now_ms(), Some(note.into()))
-                                .and_then(|()| r.apply(Event::Start, now_ms(), None));
-                            if let Err(e) = moved {
+                            let note = "reconciled: the lookup did not find the effect; it may execute under the same key";
+                            if let Err(e) =
+                                r.apply(Event::ResolveNotCommitted, now_ms(), Some(note.into()))
+                            {
                                 return Step::Respond(self.internal(e.to_string()));
                             }
-                            self.own(&mut r);
-                            // One write for both moves: nobody can act on the in-between state.
+                            // Now `failed_before_commit`: the next turn of the loop starts it
+                            // through the same gates as any retry (approval, cancellation).
                             match self.proxy.store.update(r).await {
-                                Ok(r) => {
+                                Ok(_) => {
                                     tracing::info!(execution_id = %self.id, "outcome unknown: the lookup did not find the effect; executing");
                                     self.metrics().reconciled(upstream_name, route_name, result);
-                                    failpoint::hit("after_prepared").await;
-                                    Step::Respond(self.execute(r, SendMode::First).await)
+                                    Step::Again
                                 }
                                 Err(StoreError::Conflict { .. }) => Step::Again,
                                 Err(e) => Step::Respond(self.store_failed(e)),
@@ -767,7 +882,14 @@ impl Call<'_> {
         if let Err(e) = record.apply(event, now_ms(), note) {
             return Err(StoreError::Backend(e.to_string()));
         }
-        self.proxy.store.update(record).await
+        let stored = self.proxy.store.update(record).await?;
+        if stored.state() == State::OutcomeUnknown {
+            self.metrics()
+                .outcome_unknown
+                .get_or_create(&self.labels())
+                .inc();
+        }
+        Ok(stored)
     }
 
     async fn finish_committed(

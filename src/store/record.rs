@@ -191,6 +191,11 @@ impl Record {
         if to != State::Executing {
             self.lease = None;
         }
+        if to == State::AwaitingApproval {
+            // Waiting for a decision means no decision covers the call (a lapsed one stays
+            // in the history).
+            self.approval = None;
+        }
         self.note = note.clone();
         self.history.push(HistoryEntry {
             at_ms: now_ms,

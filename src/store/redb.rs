@@ -18,7 +18,7 @@ use tokio::sync::oneshot;
 use self::tables::Snapshot;
 use self::writer::{Command, Reply, Writer};
 use crate::policy::identity::ExecutionId;
-use crate::store::{Claim, ListFilter, Record, Store, StoreError, StoreResult};
+use crate::store::{Claim, ListFilter, OperationMark, Record, Store, StoreError, StoreResult};
 
 /// Counters that show group commit at work: `writes / commits` is the mean batch size.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -235,5 +235,15 @@ impl Store for RedbStore {
             reply,
         })
         .await
+    }
+
+    async fn mark_operation(&self, mark: OperationMark) -> StoreResult<OperationMark> {
+        self.submit(|reply| Command::MarkOperation { mark, reply })
+            .await
+    }
+
+    /// A point read on the caller's thread, like `get`.
+    async fn operation(&self, operation_id: &str) -> StoreResult<Option<OperationMark>> {
+        Snapshot::begin(&self.shared.db)?.operation(operation_id)
     }
 }
