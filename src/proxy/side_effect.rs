@@ -996,10 +996,6 @@ impl Call<'_> {
         timeout: bool,
     ) -> Response<ProxyBody> {
         tracing::warn!(execution_id = %self.id, reason = %why, "outcome unknown");
-        self.metrics()
-            .outcome_unknown
-            .get_or_create(&self.labels())
-            .inc();
         if let Err(e) = self
             .transition(record, Event::LoseOutcome, Some(why.clone()))
             .await
@@ -1018,10 +1014,6 @@ impl Call<'_> {
         stored: StoredResponse,
     ) -> Response<ProxyBody> {
         tracing::warn!(execution_id = %self.id, reason = %why, "outcome unknown");
-        self.metrics()
-            .outcome_unknown
-            .get_or_create(&self.labels())
-            .inc();
         if let Err(e) = self.transition(record, Event::LoseOutcome, Some(why)).await {
             tracing::error!(execution_id = %self.id, error = %e, "could not record outcome_unknown");
         } else {
