@@ -528,3 +528,68 @@ async fn resolve_on_a_stopped_proxys_store_is_checked_by_the_state_machine() {
     assert_eq!(rc.status, StatusCode::OK, "default operator result: {rc:?}");
     assert_eq!(rc.json()["resolved"], "committed");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cancelled_operation_gets_no_re_send_and_a_found_effect_marks_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ds = FakeDownstream::start().await;
+    let yaml = format!(
+        r#"listen: 127.0.0.1:0
+admin: {{ listen: 127.0.0.1:0, token_env: {ADMIN_TOKEN_ENV} }}
+store: {{ backend: redb, path: {dir}/store.redb, retention: 1h, reconcile_interval: 1h }}
+identity: {{ derive_from: [X-Operation-Id, X-Tool-Call-Id] }}
+upstreams:
+  - name: mail
+    url: {ds}
+    mount: /mail
+    routes:
+      - {{ name: keyed_drop, match: {{ method: POST, path: /keyed/drop-after-commit/send }}, downstream_key: {{ header: Idempotency-Key, replays: true }} }}
+      - {{ name: drop_lookup, match: {{ method: POST, path: /drop-after-commit/send }}, {LOOKUP} }}
+"#,
+        dir = dir.path().display(),
+        ds = ds.url()
+    );
+    let proxy = ProxyProc::start_with_env(dir.path(), &yaml, &[(ADMIN_TOKEN_ENV, ADMIN_TOKEN)]);
+    let c = client();
+    let call = |id: &'static str| [("x-operation-id", "op_c"), ("x-tool-call-id", id)];
+    let resend_url = proxy.url("/mail/keyed/drop-after-commit/send");
+    let lookup_url = proxy.url("/mail/drop-after-commit/send");
+    let a = post(&c, &resend_url, &call("call_a"), "{}").await;
+    let b = post(&c, &lookup_url, &call("call_b"), "{}").await;
+    assert_eq!(a.header("idempotency-status"), Some("outcome_unknown"));
+    assert_eq!(b.header("idempotency-status"), Some("outcome_unknown"));
+    let auth = format!("Bearer {ADMIN_TOKEN}");
+    let cancel = post(
+        &c,
+        &proxy.admin_url("/v1/operations/op_c/cancel"),
+        &[("authorization", &auth)],
+        r#"{"by":"erin"}"#,
+    )
+    .await;
+    assert_eq!(cancel.status, StatusCode::OK, "{cancel:?}");
+    assert_eq!(cancel.json()["state"], "cancelled");
+
+    // A re-send could create the effect now: refused, left to an operator.
+    let ra = post(&c, &resend_url, &call("call_a"), "{}").await;
+    assert_eq!(ra.status, StatusCode::CONFLICT, "{ra:?}");
+    assert_eq!(ra.problem_type(), "urn:idemproxy:problem:outcome-unknown");
+    assert_eq!(ra.header("retry-after"), None);
+    assert!(ra.json()["detail"]
+        .as_str()
+        .unwrap_or_default()
+        .contains("cancelled"));
+    assert_eq!(ds.hits_on("/keyed/drop-after-commit/send"), 1);
+    // A lookup only reads: it finds the effect, so the operation was cancelled after one.
+    let rb = post(&c, &lookup_url, &call("call_b"), "{}").await;
+    assert_eq!(rb.status, StatusCode::OK, "{rb:?}");
+    let op = send(
+        &c,
+        http::Method::GET,
+        &proxy.admin_url("/v1/operations/op_c"),
+        &[("authorization", &auth)],
+        "",
+    )
+    .await;
+    assert_eq!(op.json()["state"], "cancelled_after_side_effect", "{op:?}");
+    assert_eq!(ds.commits(), 2);
+}
