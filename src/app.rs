@@ -132,6 +132,11 @@ pub async fn start(cfg: Config, store: Arc<dyn Store>) -> anyhow::Result<Running
 pub async fn serve(cfg: Config) -> anyhow::Result<()> {
     use tokio::signal::unix::{signal, SignalKind};
     let source = cfg.source.clone();
+    // Handlers first: a SIGHUP or SIGTERM sent as soon as the "listening" line appears
+    // must reach us, not the default action (which would kill the process).
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    let mut hup = signal(SignalKind::hangup())?;
     let store = open_store(&cfg).await?;
     let running = start(cfg, store).await?;
     // The admin line comes first: a reader that waits for the proxy line has both.
@@ -139,9 +144,6 @@ pub async fn serve(cfg: Config) -> anyhow::Result<()> {
         println!("idemproxy admin listening on {admin}");
     }
     println!("idemproxy listening on {}", running.addr);
-    let mut term = signal(SignalKind::terminate())?;
-    let mut int = signal(SignalKind::interrupt())?;
-    let mut hup = signal(SignalKind::hangup())?;
     loop {
         tokio::select! {
             _ = term.recv() => break,
