@@ -155,6 +155,18 @@ async fn fifty_duplicates_across_three_instances_commit_once() {
     }
     assert!(bodies.windows(2).all(|w| w[0] == w[1]));
     assert_eq!(ds.commits(), 1);
+    // The offline commands work against the shared store while the instances run.
+    let cfg = procs[0].config_path.clone();
+    let rows = records(&cfg);
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert!(rows[0].contains("mail/send_email"), "{rows:?}");
+    let gc = cli(&["gc", "--config", cfg.to_str().expect("utf-8")]);
+    assert!(
+        gc.status.success(),
+        "{}",
+        String::from_utf8_lossy(&gc.stderr)
+    );
+    assert!(String::from_utf8_lossy(&gc.stdout).contains("removed 0 records"));
 }
 
 #[tokio::test(flavor = "multi_thread")]
