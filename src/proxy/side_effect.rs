@@ -962,14 +962,8 @@ impl Call<'_> {
         downstream: Option<StoredResponse>,
     ) -> Response<ProxyBody> {
         tracing::warn!(execution_id = %self.id, reason = %why, "failed before commit");
-        if let Err(e) = self
-            .transition(record, Event::FailBeforeCommit, Some(why.clone()))
-            .await
-        {
-            tracing::error!(execution_id = %self.id, error = %e, "could not record failed_before_commit");
-        } else {
-            failpoint::hit("after_local_commit").await;
-        }
+        self.record_outcome(record, Event::FailBeforeCommit, &why)
+            .await;
         match downstream {
             Some(stored) => {
                 let mut resp = stored_response(&stored, &self.id);
@@ -996,14 +990,7 @@ impl Call<'_> {
         timeout: bool,
     ) -> Response<ProxyBody> {
         tracing::warn!(execution_id = %self.id, reason = %why, "outcome unknown");
-        if let Err(e) = self
-            .transition(record, Event::LoseOutcome, Some(why.clone()))
-            .await
-        {
-            tracing::error!(execution_id = %self.id, error = %e, "could not record outcome_unknown");
-        } else {
-            failpoint::hit("after_local_commit").await;
-        }
+        self.record_outcome(record, Event::LoseOutcome, &why).await;
         self.unknown_problem(why, timeout)
     }
 
@@ -1014,15 +1001,22 @@ impl Call<'_> {
         stored: StoredResponse,
     ) -> Response<ProxyBody> {
         tracing::warn!(execution_id = %self.id, reason = %why, "outcome unknown");
-        if let Err(e) = self.transition(record, Event::LoseOutcome, Some(why)).await {
-            tracing::error!(execution_id = %self.id, error = %e, "could not record outcome_unknown");
-        } else {
-            failpoint::hit("after_local_commit").await;
-        }
+        self.record_outcome(record, Event::LoseOutcome, &why).await;
         let mut resp = stored_response(&stored, &self.id);
         resp.headers_mut()
             .insert(STATUS, HeaderValue::from_static("outcome_unknown"));
         resp
+    }
+
+    /// Store how an attempt ended without a committed answer. If that write fails the
+    /// record stays `executing`, which recovery turns into `outcome_unknown`: never lost.
+    async fn record_outcome(&self, record: Record, event: Event, why: &str) {
+        match self.transition(record, event, Some(why.to_string())).await {
+            Ok(_) => failpoint::hit("after_local_commit").await,
+            Err(e) => {
+                tracing::error!(execution_id = %self.id, error = %e, event = event.as_str(), "could not record the attempt's outcome")
+            }
+        }
     }
 
     fn unknown_problem(&self, why: String, timeout: bool) -> Response<ProxyBody> {
