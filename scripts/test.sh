@@ -1,9 +1,22 @@
 #!/usr/bin/env bash
 # The project's test command (README "Quick start"; CI calls it through .ci/run).
-# Lint gates first, then every test: unit, integration (real binary, real redb, SIGKILL),
-# PostgreSQL store tests against the real server, the crash matrix (failpoints feature).
+# Sets up what the tests need on a fresh machine (Debian's Chromium and the pinned
+# playwright-core driver for the console test), then the lint gates, then every test:
+# unit, integration (real binary, real redb, SIGKILL), PostgreSQL store tests against the
+# real server, the crash matrix (failpoints feature) and the console in headless Chromium.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+if ! command -v chromium >/dev/null 2>&1; then
+  echo "[test] installing Debian's chromium for the console test" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends chromium
+fi
+if [ ! -d tests/browser/node_modules ]; then
+  (cd tests/browser && npm ci --no-audit --no-fund --silent)
+fi
 
 # PostgreSQL store tests read this; on the dev/CI machine PostgreSQL runs locally with
 # trust auth. Tests fail loudly (never skip) when the server is unreachable.

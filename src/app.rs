@@ -10,7 +10,7 @@ use tokio::net::TcpListener;
 
 use crate::config::{Config, StoreBackend};
 use crate::policy::identity::ExecutionId;
-use crate::policy::state::{Event, State};
+use crate::policy::state::State;
 use crate::proxy::{recovery, Proxy, Runtime, Worker};
 use crate::store::{now_ms, ListFilter, Record, Store, StoredResponse};
 
@@ -102,24 +102,36 @@ async fn postgres_store(url: &str, schema: &str) -> anyhow::Result<Arc<dyn Store
 /// Handle on a running proxy (used by `serve` and by tests that embed the proxy).
 pub struct Running {
     pub addr: std::net::SocketAddr,
+    /// The admin listener's address, when the config has an `admin` block.
+    pub admin_addr: Option<std::net::SocketAddr>,
     pub proxy: Arc<Proxy>,
     shutdown: tokio::sync::watch::Sender<bool>,
     task: tokio::task::JoinHandle<()>,
+    admin_task: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl Running {
-    /// Stop accepting, drain, and wait for the server task.
+    /// Stop accepting, drain, and wait for the server tasks.
     pub async fn stop(self) {
         let _ = self.shutdown.send(true);
         let _ = self.task.await;
+        if let Some(admin) = self.admin_task {
+            let _ = admin.await;
+        }
     }
 }
 
 /// Start the proxy listener and background tasks on an opened store.
 pub async fn start(cfg: Config, store: Arc<dyn Store>) -> anyhow::Result<Running> {
     let listen = cfg.listen;
+    // Refuse to start without the token before anything is bound or recovered.
+    let admin = match &cfg.admin {
+        Some(a) => Some((a.listen, crate::admin::Token::from_env(&a.token_env)?)),
+        None => None,
+    };
     let lease = cfg.store.lease;
     let gc_every = cfg.store.gc_interval;
+    let reconcile_every = cfg.store.reconcile_interval;
     let exclusive = matches!(cfg.store.backend, StoreBackend::Redb { .. });
     // A redb file is locked by one process: every `executing` record in it belongs to a
     // previous run that died, whatever its lease says. A shared store waits for leases.
@@ -140,8 +152,20 @@ pub async fn start(cfg: Config, store: Arc<dyn Store>) -> anyhow::Result<Running
         .with_context(|| format!("binding the proxy listener {listen}"))?;
     let addr = listener.local_addr()?;
     let (tx, rx) = tokio::sync::watch::channel(false);
+    let (admin_addr, admin_task) = match admin {
+        Some((admin_listen, token)) => {
+            let (addr, task) = crate::admin::spawn(admin_listen, token, proxy.clone(), rx.clone())
+                .await
+                .with_context(|| format!("binding the admin listener {admin_listen}"))?;
+            (Some(addr), Some(task))
+        }
+        None => (None, None),
+    };
     let keeper = recovery::spawn_lease_keeper(store.clone(), proxy.owner.clone(), lease);
     let gc = recovery::spawn_gc(store.clone(), gc_every);
+    // First pass right away: what a crashed predecessor left unknown is looked up now,
+    // not when its client happens to retry.
+    let reconciler = crate::proxy::reconcile::spawn(proxy.clone(), reconcile_every);
     let p = proxy.clone();
     let options = crate::wire::server::Options::from_env(Duration::from_secs(30));
     let task = tokio::spawn(async move {
@@ -149,16 +173,19 @@ pub async fn start(cfg: Config, store: Arc<dyn Store>) -> anyhow::Result<Running
             let worker = Worker::new(p.clone());
             move |req, peer| worker.clone().handle(req, peer)
         };
-        crate::wire::server::serve(listener, make_handler, rx, options).await;
+        crate::wire::server::serve_on_workers(listener, make_handler, rx, options).await;
         keeper.abort();
         gc.abort();
+        reconciler.abort();
     });
     tracing::info!(%addr, "proxy listening");
     Ok(Running {
         addr,
+        admin_addr,
         proxy,
         shutdown: tx,
         task,
+        admin_task,
     })
 }
 
@@ -166,12 +193,18 @@ pub async fn start(cfg: Config, store: Arc<dyn Store>) -> anyhow::Result<Running
 pub async fn serve(cfg: Config) -> anyhow::Result<()> {
     use tokio::signal::unix::{signal, SignalKind};
     let source = cfg.source.clone();
-    let store = open_store_for_serving(&cfg).await?;
-    let running = start(cfg, store).await?;
-    println!("idemproxy listening on {}", running.addr);
+    // Handlers first: a SIGHUP or SIGTERM sent as soon as the "listening" line appears
+    // must reach us, not the default action (which would kill the process).
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
     let mut hup = signal(SignalKind::hangup())?;
+    let store = open_store_for_serving(&cfg).await?;
+    let running = start(cfg, store).await?;
+    // The admin line comes first: a reader that waits for the proxy line has both.
+    if let Some(admin) = running.admin_addr {
+        println!("idemproxy admin listening on {admin}");
+    }
+    println!("idemproxy listening on {}", running.addr);
     loop {
         tokio::select! {
             _ = term.recv() => break,
@@ -193,6 +226,12 @@ fn reload(proxy: &Proxy, source: &std::path::Path) {
                 tracing::warn!(
                     "listen address changes need a restart; keeping {}",
                     old.config.listen
+                );
+            }
+            let admin_of = |c: &Config| c.admin.as_ref().map(|a| (a.listen, a.token_env.clone()));
+            if admin_of(&cfg) != admin_of(&old.config) {
+                tracing::warn!(
+                    "admin listener and token changes need a restart; keeping the running ones"
                 );
             }
             match Runtime::new(cfg) {
@@ -233,7 +272,7 @@ pub async fn records_show(cfg: &Config, id: &str) -> anyhow::Result<Record> {
 }
 
 /// `idemproxy resolve ID --as committed|not-committed`: an operator's decision on an
-/// `outcome_unknown` record, validated by the state machine.
+/// `outcome_unknown` record, the same decision as the admin API's.
 pub async fn resolve(
     store: &dyn Store,
     id: &str,
@@ -242,37 +281,7 @@ pub async fn resolve(
     by: &str,
 ) -> anyhow::Result<Record> {
     let id = ExecutionId(id.to_string());
-    let Some(mut r) = store.get(&id).await? else {
-        bail!("no execution record {id}");
-    };
-    let event = if committed {
-        Event::ResolveCommitted
-    } else {
-        Event::ResolveNotCommitted
-    };
-    let note = format!(
-        "resolved by {by} as {}",
-        if committed {
-            "committed"
-        } else {
-            "not committed"
-        }
-    );
-    r.apply(event, now_ms(), Some(note))
-        .map_err(|e| anyhow::anyhow!("cannot resolve {id}: {e}"))?;
-    if committed {
-        r.response = Some(result.unwrap_or_else(|| {
-            StoredResponse {
-                status: 200,
-                headers: vec![("content-type".into(), b"application/json".to_vec())],
-                body: serde_json::to_vec(
-                    &serde_json::json!({ "resolved": "committed", "execution_id": id.as_str() }),
-                )
-                .expect("literal JSON serializes"),
-            }
-        }));
-    }
-    Ok(store.update(r).await?)
+    Ok(crate::admin::actions::resolve(store, &id, committed, result, by).await?)
 }
 
 /// `idemproxy gc`.

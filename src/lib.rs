@@ -7,9 +7,11 @@
 //!   reconciliation);
 //! - [`store`]: durable execution records behind one trait (redb, PostgreSQL);
 //! - [`proxy`]: the request lifecycle that ties the three together;
-//! - [`config`]: the YAML contract, validated once into the form the hot path uses.
+//! - [`config`]: the YAML contract, validated once into the form the hot path uses;
+//! - [`admin`]: the operator surface (admin API, console, metrics) on its own listener.
 #![forbid(unsafe_code)]
 
+pub mod admin;
 pub mod app;
 pub mod config;
 pub mod failpoint;

@@ -14,7 +14,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 mod demo;
-use idemproxy::config::{Config, DEFAULT_PATH};
+use idemproxy::config::{Config, StoreBackend, DEFAULT_PATH};
 use idemproxy::policy::state::State;
 
 #[derive(Parser)]
@@ -202,6 +202,20 @@ async fn run(cmd: Command) -> ExitCode {
             };
             async {
                 let store = idemproxy::app::open_store(&cfg).await?;
+                // What `serve` does on start: a redb file we could open has no running
+                // owner, so its `executing` records are stale; a shared store only
+                // gives up expired leases. Either way they become `outcome_unknown`.
+                let exclusive = matches!(cfg.store.backend, StoreBackend::Redb { .. });
+                let before = if exclusive {
+                    i64::MAX
+                } else {
+                    idemproxy::store::now_ms()
+                };
+                let moved =
+                    idemproxy::proxy::recovery::recover_stale(store.as_ref(), before).await?;
+                if moved > 0 {
+                    eprintln!("{moved} execution(s) left executing by a stopped proxy are now outcome_unknown");
+                }
                 let by = std::env::var("USER").unwrap_or_else(|_| "operator".into());
                 let r = idemproxy::app::resolve(
                     store.as_ref(),
@@ -233,31 +247,12 @@ async fn run(cmd: Command) -> ExitCode {
     }
 }
 
-/// `--result` file: status, headers as pairs, body as any JSON value (stored as its text).
+/// `--result` file: status, headers as pairs, body as any JSON value (stored as its text);
+/// the same shape as the admin API's `result`.
 fn read_result(path: &std::path::Path) -> anyhow::Result<idemproxy::store::StoredResponse> {
-    #[derive(serde::Deserialize)]
-    #[serde(deny_unknown_fields)]
-    struct ResultFile {
-        status: u16,
-        #[serde(default)]
-        headers: Vec<(String, String)>,
-        body: serde_json::Value,
-    }
     let text = std::fs::read_to_string(path)?;
-    let f: ResultFile = serde_json::from_str(&text)?;
-    let mut headers: Vec<(String, Vec<u8>)> = f
-        .headers
-        .into_iter()
-        .map(|(n, v)| (n.to_ascii_lowercase(), v.into_bytes()))
-        .collect();
-    if !headers.iter().any(|(n, _)| n == "content-type") {
-        headers.push(("content-type".into(), b"application/json".to_vec()));
-    }
-    Ok(idemproxy::store::StoredResponse {
-        status: f.status,
-        headers,
-        body: serde_json::to_vec(&f.body)?,
-    })
+    let spec: idemproxy::admin::actions::ResultSpec = serde_json::from_str(&text)?;
+    spec.into_stored().map_err(anyhow::Error::msg)
 }
 
 fn init_logging(format: LogFormat) {

@@ -65,3 +65,16 @@ fn usage_errors_exit_2() {
     let out = cli(&["no-such-command"]);
     assert_eq!(out.status.code(), Some(2));
 }
+
+#[test]
+fn the_demo_runs_and_shows_one_side_effect_per_call() {
+    let out = cli(&["demo"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "demo failed: {text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("two proxy crashes: 2 emails sent"), "{text}");
+    assert!(text.contains("replayed=true"), "{text}");
+}

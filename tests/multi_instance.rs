@@ -59,7 +59,12 @@ impl Drop for Schema {
 }
 
 fn pg_config(schema: &Schema, downstream: &str, lease: &str) -> String {
-    format!(
+    pg_config_with(schema, downstream, lease, true)
+}
+
+/// `reconcile: false` leaves unknown outcomes to the operator (no lookup on the route).
+fn pg_config_with(schema: &Schema, downstream: &str, lease: &str, reconcile: bool) -> String {
+    let yaml = format!(
         r#"listen: 127.0.0.1:0
 store: {{ backend: postgres, url_env: {URL_VAR}, schema: {schema}, lease: {lease}, retention: 1h }}
 upstreams:
@@ -67,11 +72,22 @@ upstreams:
     url: {downstream}
     mount: /mail
     routes:
-      - {{ name: send_email, match: {{ method: POST, path: /send }} }}
+      - name: send_email
+        match: {{ method: POST, path: /send }}
+        reconcile: {{ path: "/messages?tag={{execution_id}}", found: {{ status: 200, json_nonempty: /data }}, not_found: {{ status: 200, json_empty: /data }} }}
       - {{ name: send_wait, match: {{ method: POST, path: /keyed/send }}, concurrent: wait }}
 "#,
         schema = schema.name
-    )
+    );
+    if reconcile {
+        yaml
+    } else {
+        yaml.lines()
+            .filter(|l| !l.contains("reconcile:"))
+            .collect::<Vec<_>>()
+            .join("\n")
+            + "\n"
+    }
 }
 
 fn start_instances(n: usize, yaml: &str) -> (Vec<tempfile::TempDir>, Vec<ProxyProc>) {
@@ -139,6 +155,18 @@ async fn fifty_duplicates_across_three_instances_commit_once() {
     }
     assert!(bodies.windows(2).all(|w| w[0] == w[1]));
     assert_eq!(ds.commits(), 1);
+    // The offline commands work against the shared store while the instances run.
+    let cfg = procs[0].config_path.clone();
+    let rows = records(&cfg);
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert!(rows[0].contains("mail/send_email"), "{rows:?}");
+    let gc = cli(&["gc", "--config", cfg.to_str().expect("utf-8")]);
+    assert!(
+        gc.status.success(),
+        "{}",
+        String::from_utf8_lossy(&gc.stderr)
+    );
+    assert!(String::from_utf8_lossy(&gc.stdout).contains("removed 0 records"));
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -203,7 +231,8 @@ async fn an_instance_killed_mid_execution_is_taken_over_without_a_second_commit(
     )
     .await;
     assert_eq!(early.status, StatusCode::CONFLICT, "{early:?}");
-    // After the lease expires the survivor marks it outcome_unknown: still never re-sent.
+    // After the lease expires the survivor takes the record over as outcome_unknown and
+    // reconciles it by lookup: the message is found, so its result is stored and replayed.
     tokio::time::sleep(Duration::from_millis(2500)).await;
     let late = post(
         &c,
@@ -212,9 +241,15 @@ async fn an_instance_killed_mid_execution_is_taken_over_without_a_second_commit(
         "{}",
     )
     .await;
-    assert_eq!(late.status, StatusCode::CONFLICT, "{late:?}");
-    assert_eq!(late.problem_type(), "urn:idemproxy:problem:outcome-unknown");
-    assert_eq!(late.header("idempotency-status"), Some("outcome_unknown"));
+    assert!(late.status.is_success(), "{late:?}");
+    assert_eq!(late.header("idempotent-replayed"), Some("true"));
+    let found = late.json();
+    let committed = ds.messages();
+    assert_eq!(
+        found["id"].as_str(),
+        Some(committed[0].id.as_str()),
+        "the found message is the one committed"
+    );
     assert_eq!(ds.hits_on("/send"), 1, "no second send");
     assert_eq!(ds.commits(), 1);
 }
@@ -234,7 +269,7 @@ async fn a_paused_instance_cannot_commit_over_another_instances_decision() {
     let schema = Schema::new("fence");
     let ds = FakeDownstream::start().await;
     ds.set_delay(Duration::from_millis(1500));
-    let yaml = pg_config(&schema, &ds.url(), "1s");
+    let yaml = pg_config_with(&schema, &ds.url(), "1s", false);
     let (dirs, procs) = start_instances(2, &yaml);
     let (a, b) = (&procs[0], &procs[1]);
     let c = client();

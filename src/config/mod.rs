@@ -58,6 +58,9 @@ pub struct StoreConfig {
     /// How long an `executing` record stays owned without renewal.
     pub lease: Duration,
     pub gc_interval: Duration,
+    /// How often `outcome_unknown` records of routes with a lookup are reconciled in the
+    /// background (also once right after start).
+    pub reconcile_interval: Duration,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -188,8 +191,12 @@ pub struct ReconcileSpec {
     pub headers: Vec<(HeaderName, String)>,
     pub found: Matcher,
     pub not_found: Matcher,
-    /// JSON pointer to the downstream's id in the found answer.
+    /// JSON pointer to the downstream's id in the found item (default: the route's).
     pub external_id: Option<String>,
+    /// A "not found" is trusted only once the last send is this old: before that the
+    /// original request may still be in progress downstream. Default: twice the route's
+    /// timeout. Must exceed the downstream's worst-case processing time.
+    pub settle: Duration,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -206,6 +213,9 @@ pub struct ApprovalSpec {
     pub expires: Option<Duration>,
 }
 
+/// Retries inside the proxy. Read-only routes retry transient failures; side-effect routes
+/// retry only failures provably before any byte was sent (connect, DNS, TLS), under the
+/// same execution. Nothing else is ever retried by the proxy.
 #[derive(Debug, Clone, Copy)]
 pub struct RetrySpec {
     /// Total tries including the first (1 = no retry).

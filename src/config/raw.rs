@@ -40,6 +40,7 @@ pub struct RawStore {
     pub retention: Option<String>,
     pub lease: Option<String>,
     pub gc_interval: Option<String>,
+    pub reconcile_interval: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -147,6 +148,7 @@ pub struct RawReconcile {
     pub found: Option<RawMatcher>,
     pub not_found: Option<RawMatcher>,
     pub external_id: Option<String>,
+    pub settle: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]

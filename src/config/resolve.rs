@@ -294,6 +294,11 @@ impl Validator {
                 s.gc_interval.as_deref(),
                 Duration::from_secs(60),
             ),
+            reconcile_interval: self.duration(
+                "store.reconcile_interval",
+                s.reconcile_interval.as_deref(),
+                Duration::from_secs(10),
+            ),
         }
     }
 
@@ -584,9 +589,6 @@ impl Validator {
             Concurrent::Reject,
             &[("reject", Concurrent::Reject), ("wait", Concurrent::Wait)],
         );
-        let reconcile = r
-            .reconcile
-            .and_then(|rc| self.reconcile(&format!("{path}.reconcile"), rc));
         let approval = r.approval.map(|a| {
             for (i, p) in a.preview.iter().enumerate() {
                 self.pointer(&format!("{path}.approval.preview[{i}]"), p);
@@ -603,7 +605,6 @@ impl Validator {
                 preview: a.preview,
             }
         });
-        let retry_set = r.retry.is_some();
         let retry = match r.retry {
             None => RetrySpec {
                 attempts: 1,
@@ -623,13 +624,12 @@ impl Validator {
                 }
             }
         };
-        if class == Class::SideEffect && retry_set {
-            self.err(format!("{path}.retry"), "only read_only routes are retried inside the proxy; a side effect is retried only under its execution record");
-        }
+        // On a side effect, `retry` covers only failures before any byte was sent
+        // (connect, DNS, TLS), under the same execution: see `RetrySpec`.
         if class == Class::ReadOnly {
             for (key, set) in [
                 ("approval", approval.is_some()),
-                ("reconcile", reconcile.is_some()),
+                ("reconcile", r.reconcile.is_some()),
                 ("key_required", r.key_required.is_some()),
             ] {
                 if set {
@@ -647,6 +647,9 @@ impl Validator {
             store.retention,
         );
         let timeout = self.duration(&format!("{path}.timeout"), r.timeout.as_deref(), timeout);
+        let reconcile = r
+            .reconcile
+            .and_then(|rc| self.reconcile(&format!("{path}.reconcile"), rc, &rpath, timeout));
         let external_id = match r.external_id.as_deref() {
             Some("none") => None,
             Some(p) => {
@@ -675,7 +678,13 @@ impl Validator {
         })
     }
 
-    fn reconcile(&mut self, path: &str, rc: RawReconcile) -> Option<ReconcileSpec> {
+    fn reconcile(
+        &mut self,
+        path: &str,
+        rc: RawReconcile,
+        route_path: &str,
+        route_timeout: Duration,
+    ) -> Option<ReconcileSpec> {
         let method = match rc.method.as_deref().unwrap_or("GET") {
             m @ ("GET" | "POST" | "HEAD") => {
                 Method::from_bytes(m.as_bytes()).expect("literal methods")
@@ -695,6 +704,12 @@ impl Validator {
             );
             return None;
         };
+        if let Err(e) = crate::policy::reconcile::check_template(&p, route_path) {
+            self.err(
+                format!("{path}.path"),
+                format!("{e} (known: {{execution_id}}, {{key}} and the route's path parameters)"),
+            );
+        }
         let mut headers = Vec::new();
         for (k, v) in rc.headers {
             if let Some(h) = self.header(&format!("{path}.headers.{k}"), &k) {
@@ -717,6 +732,12 @@ impl Validator {
                     self.pointer(&format!("{path}.{which}.{k}"), p);
                 }
             }
+            if m.status.is_none() && m.json_nonempty.is_none() && m.json_empty.is_none() {
+                self.err(
+                    format!("{path}.{which}"),
+                    "needs at least one of status, json_nonempty, json_empty",
+                );
+            }
             Matcher {
                 status: m.status,
                 json_nonempty: m.json_nonempty,
@@ -728,6 +749,11 @@ impl Validator {
         if let Some(p) = &rc.external_id {
             self.pointer(&format!("{path}.external_id"), p);
         }
+        let settle = self.duration(
+            &format!("{path}.settle"),
+            rc.settle.as_deref(),
+            route_timeout.saturating_mul(2),
+        );
         Some(ReconcileSpec {
             method,
             path: p,
@@ -735,6 +761,7 @@ impl Validator {
             found,
             not_found,
             external_id: rc.external_id,
+            settle,
         })
     }
 }

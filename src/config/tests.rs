@@ -77,3 +77,31 @@ fn downstream_key_none_and_postgres_backend() {
         "{text}"
     );
 }
+
+#[test]
+fn reconcile_settle_defaults_to_twice_the_timeout_and_templates_are_checked() {
+    let cfg = from_yaml(
+        "upstreams:\n  - name: m\n    url: http://127.0.0.1:1\n    routes:\n      - name: s\n        match: { method: POST, path: \"/orders/{order}/pay\" }\n        timeout: 2s\n        retry: { attempts: 3, backoff_ms: 10 }\n        reconcile: { path: \"/pay?o={order}&k={key}\", found: { status: 200 }, not_found: { status: 404 } }\n",
+        Path::new("cfg.yaml"),
+    )
+    .expect("valid");
+    let route = &cfg.upstreams[0].routes[0];
+    let rc = route.reconcile.as_ref().expect("reconcile");
+    assert_eq!(rc.settle, Duration::from_secs(4));
+    assert_eq!(
+        route.retry.attempts, 3,
+        "side effects may retry connect failures"
+    );
+    assert_eq!(cfg.store.reconcile_interval, Duration::from_secs(10));
+    let text = errors(
+        "upstreams:\n  - name: m\n    url: http://127.0.0.1:1\n    routes:\n      - name: s\n        match: { method: POST, path: /send }\n        reconcile: { path: \"/m?t={tag}\", settle: 1s, found: {}, not_found: { status: 404 } }\n",
+    );
+    assert!(
+        text.contains("upstreams[0].routes[0].reconcile.path: unknown placeholder `{tag}`"),
+        "{text}"
+    );
+    assert!(
+        text.contains("upstreams[0].routes[0].reconcile.found: needs at least one of"),
+        "{text}"
+    );
+}

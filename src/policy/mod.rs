@@ -5,4 +5,5 @@
 pub mod classify;
 pub mod fingerprint;
 pub mod identity;
+pub mod reconcile;
 pub mod state;

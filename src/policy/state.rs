@@ -136,6 +136,9 @@ pub enum Event {
     Resend,
     /// The parent operation was cancelled.
     Cancel,
+    /// The approval no longer covers the call (it expired, or the record holds none for
+    /// its arguments): an operator must approve again before anything is sent.
+    ApprovalLapsed,
 }
 
 impl Event {
@@ -153,6 +156,7 @@ impl Event {
             Event::ResolveNotCommitted => "resolve_not_committed",
             Event::Resend => "resend",
             Event::Cancel => "cancel",
+            Event::ApprovalLapsed => "approval_lapsed",
         }
     }
 }
@@ -187,6 +191,9 @@ pub fn transition(from: State, event: Event) -> Result<State, IllegalTransition>
         (S::Prepared | S::AwaitingApproval | S::Approved | S::FailedBeforeCommit, E::Cancel) => {
             S::CancelledBeforeCommit
         }
+        // Nothing was sent under the lapsed approval (an approved call that failed before
+        // commit also qualifies): ask again rather than run on a stale decision.
+        (S::Approved | S::FailedBeforeCommit, E::ApprovalLapsed) => S::AwaitingApproval,
         (from, event) => return Err(IllegalTransition { from, event }),
     };
     Ok(to)
@@ -196,7 +203,7 @@ pub fn transition(from: State, event: Event) -> Result<State, IllegalTransition>
 mod tests {
     use super::*;
 
-    const EVENTS: [Event; 12] = [
+    const EVENTS: [Event; 13] = [
         Event::RequestApproval,
         Event::Approve,
         Event::Reject,
@@ -209,6 +216,7 @@ mod tests {
         Event::ResolveNotCommitted,
         Event::Resend,
         Event::Cancel,
+        Event::ApprovalLapsed,
     ];
 
     /// The full table, written independently of `transition` so the test can fail.
@@ -226,12 +234,18 @@ mod tests {
             (S::Approved, E::Reject, S::Rejected),
             (S::Approved, E::Start, S::Executing),
             (S::Approved, E::Cancel, S::CancelledBeforeCommit),
+            (S::Approved, E::ApprovalLapsed, S::AwaitingApproval),
             (S::Executing, E::Commit, S::Committed),
             (S::Executing, E::FailBeforeCommit, S::FailedBeforeCommit),
             (S::Executing, E::LoseOutcome, S::OutcomeUnknown),
             (S::Committed, E::Deliver, S::ResultDelivered),
             (S::FailedBeforeCommit, E::Start, S::Executing),
             (S::FailedBeforeCommit, E::Cancel, S::CancelledBeforeCommit),
+            (
+                S::FailedBeforeCommit,
+                E::ApprovalLapsed,
+                S::AwaitingApproval,
+            ),
             (S::OutcomeUnknown, E::ResolveCommitted, S::Committed),
             (
                 S::OutcomeUnknown,
@@ -261,7 +275,7 @@ mod tests {
                 }
             }
         }
-        assert_eq!(legal, 19);
+        assert_eq!(legal, 21);
     }
 
     #[test]
@@ -275,6 +289,27 @@ mod tests {
             assert!(transition(State::Committed, ev).is_err());
             assert!(transition(State::ResultDelivered, ev).is_err());
         }
+    }
+
+    #[test]
+    fn a_lapsed_approval_never_reopens_a_sent_call() {
+        // Only calls known not to have reached the downstream go back to approval.
+        for from in [
+            State::Executing,
+            State::OutcomeUnknown,
+            State::Committed,
+            State::ResultDelivered,
+            State::Rejected,
+            State::CancelledBeforeCommit,
+        ] {
+            assert!(transition(from, Event::ApprovalLapsed).is_err(), "{from}");
+        }
+        let again = transition(State::Approved, Event::ApprovalLapsed);
+        assert_eq!(again, Ok(State::AwaitingApproval));
+        assert_eq!(
+            again.and_then(|s| transition(s, Event::Approve)),
+            Ok(State::Approved)
+        );
     }
 
     #[test]

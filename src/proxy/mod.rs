@@ -4,6 +4,7 @@
 
 mod downstream;
 pub mod passthrough;
+pub mod reconcile;
 pub mod recovery;
 pub mod side_effect;
 

@@ -1,7 +1,12 @@
 //! Side-effect routes: the lifecycle `admit → identify → fingerprint → claim/decide →
-//! forward → record → respond`. The invariants of SPEC section 5 are kept here: the record
-//! is durably `executing` before the first byte goes downstream, and durably `committed`
-//! with the full answer before the client sees it.
+//! (reconcile) → forward → record → respond`. The invariants of SPEC section 5 are kept
+//! here: the record is durably `executing` before the first byte goes downstream, and
+//! durably `committed` with the full answer before the client sees it. A retry of an
+//! `outcome_unknown` record is reconciled first (SPEC section 7, [`reconcile`]) and never
+//! blindly re-sent. The only retry inside the proxy is of a send that provably never left
+//! (connect, DNS, TLS), under the same execution. Two operator decisions are enforced here
+//! too: a call only runs on an approval that covers its arguments and has not expired, and
+//! nothing more is sent under a cancelled operation (SPEC section 8).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -13,15 +18,18 @@ use http::{HeaderValue, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 
-use super::{downstream, passthrough, Proxy, Runtime};
+use super::{downstream, passthrough, reconcile as lookup, Proxy, Runtime};
 use crate::config::{Concurrent, On5xx, Route};
 use crate::failpoint;
 use crate::metrics::{Metrics, RouteLabels};
 use crate::policy::classify::Target;
 use crate::policy::fingerprint::{args_hash, RequestParts};
 use crate::policy::identity::{self, ArgsHash, ExecutionId, KeyLookup, TenantScope};
+use crate::policy::reconcile::{self, Plan, Verdict};
 use crate::policy::state::{Event, State};
-use crate::store::{now_ms, Claim, Lease, NewRecord, Record, StoreError, StoredResponse};
+use crate::store::{
+    now_ms, Claim, Lease, NewRecord, OperationMark, Record, StoreError, StoredResponse,
+};
 use crate::wire::body::{self, BoxError, NotifyOnEnd, ProxyBody};
 use crate::wire::client::{self, HttpClient, SendFailure};
 use crate::wire::headers::{EXECUTION_ID, REPLAYED, STATUS};
@@ -106,7 +114,7 @@ pub async fn handle(
         tenant,
         peer,
     };
-    call.run().await
+    failpoint::on_answer(call.run().await)
 }
 
 /// Buffer the request body up to the limit; a side effect must be hashed and may be sent
@@ -165,10 +173,38 @@ struct Call<'a> {
 /// What to do with an existing record.
 enum Decision {
     Respond(Response<ProxyBody>),
-    /// Move the record with this event and send (Start, or Resend to a replaying downstream).
+    /// Move the record with this event (`Start`) and send.
     Execute(Event),
+    /// `outcome_unknown`: find out before anything is sent again (SPEC section 7).
+    Reconcile,
+    /// The approval no longer covers the call (the text says why): ask for a new one.
+    Reapprove(String),
     /// Another attempt owns it; hold this duplicate and look again.
     Wait,
+}
+
+/// Where a send stands relative to earlier sends of the same execution.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SendMode {
+    /// Nothing was sent before, or the earlier attempt is known not to have committed.
+    First,
+    /// Re-sent under the same key after an unknown outcome: the downstream replays keyed
+    /// requests. Failing to reach it leaves the record `outcome_unknown`, never `failed`.
+    Resend,
+}
+
+/// How one try of a send ended.
+enum Sent {
+    Answer(http::response::Parts, Bytes),
+    Timeout,
+    Failed(SendFailure, String),
+}
+
+/// What reconciling a retry led to.
+enum Step {
+    Respond(Response<ProxyBody>),
+    /// The record changed under us: read it again.
+    Again,
 }
 
 impl Call<'_> {
@@ -195,10 +231,7 @@ impl Call<'_> {
             let record = match current {
                 Some(r) => r,
                 None => match self.proxy.store.claim(self.new_record()).await {
-                    Ok(Claim::Claimed(r)) if r.state() == State::Executing => {
-                        return self.execute(r).await
-                    }
-                    Ok(Claim::Claimed(r)) => return self.approval_required(&r),
+                    Ok(Claim::Claimed(r)) => return self.proceed(r).await,
                     Ok(Claim::Existing(r)) => r,
                     Err(e) => return self.store_failed(e),
                 },
@@ -212,10 +245,27 @@ impl Call<'_> {
                             .execution(&self.id)
                             .into_response();
                     }
-                    r.lease = Some(self.lease());
+                    self.own(&mut r);
                     match self.proxy.store.update(r).await {
-                        Ok(r) => return self.execute(r).await,
+                        Ok(r) => return self.proceed(r).await,
                         // Someone else moved it first: look again.
+                        Err(StoreError::Conflict { .. }) => continue,
+                        Err(e) => return self.store_failed(e),
+                    }
+                }
+                Decision::Reconcile => match self.reconcile(record).await {
+                    Step::Respond(resp) => return resp,
+                    Step::Again => continue,
+                },
+                Decision::Reapprove(why) => {
+                    let mut r = record;
+                    if let Err(e) = r.apply(Event::ApprovalLapsed, now_ms(), Some(why)) {
+                        return Problem::new(Kind::Internal, e.to_string())
+                            .execution(&self.id)
+                            .into_response();
+                    }
+                    match self.proxy.store.update(r).await {
+                        Ok(r) => return self.approval_required(&r),
                         Err(StoreError::Conflict { .. }) => continue,
                         Err(e) => return self.store_failed(e),
                     }
@@ -262,9 +312,23 @@ impl Call<'_> {
         r.apply(event, now, None)
             .expect("prepared accepts both start and request_approval");
         if r.state() == State::Executing {
-            r.lease = Some(self.lease());
+            self.own(&mut r);
         }
         r
+    }
+
+    /// Take ownership of a record about to be sent: our lease and, where a re-send may
+    /// follow, the exact body that is going out.
+    fn own(&self, r: &mut Record) {
+        r.lease = Some(self.lease());
+        if self
+            .route()
+            .downstream_key
+            .as_ref()
+            .is_some_and(|k| k.replays)
+        {
+            r.sent_body = Some(self.body.to_vec());
+        }
     }
 
     fn lease(&self) -> Lease {
@@ -312,26 +376,28 @@ impl Call<'_> {
                 Concurrent::Wait => Decision::Wait,
                 Concurrent::Reject => Decision::Respond(self.in_flight()),
             },
-            State::OutcomeUnknown => Decision::Respond(
-                Problem::new(
-                    Kind::OutcomeUnknownPending,
-                    "an earlier attempt may or may not have taken effect; it is not re-sent until reconciled or resolved by an operator",
-                )
-                .execution(&self.id)
-                .header(STATUS, HeaderValue::from_static("outcome_unknown"))
-                .into_response(),
-            ),
-            State::Prepared | State::Approved | State::FailedBeforeCommit => Decision::Execute(Event::Start),
+            State::OutcomeUnknown => Decision::Reconcile,
+            State::Prepared => Decision::Execute(Event::Start),
+            State::Approved | State::FailedBeforeCommit => match self.approval_gap(r) {
+                None => Decision::Execute(Event::Start),
+                Some(why) => Decision::Reapprove(why),
+            },
             State::AwaitingApproval => Decision::Respond(self.approval_required(r)),
             State::Rejected => Decision::Respond(
-                Problem::new(Kind::Rejected, "an operator rejected this call; it will not be sent")
-                    .execution(&self.id)
-                    .into_response(),
+                Problem::new(
+                    Kind::Rejected,
+                    "an operator rejected this call; it will not be sent",
+                )
+                .execution(&self.id)
+                .into_response(),
             ),
             State::CancelledBeforeCommit => Decision::Respond(
-                Problem::new(Kind::Cancelled, "the operation was cancelled before this call was sent")
-                    .execution(&self.id)
-                    .into_response(),
+                Problem::new(
+                    Kind::Cancelled,
+                    "the operation was cancelled before this call was sent",
+                )
+                .execution(&self.id)
+                .into_response(),
             ),
         }
     }
@@ -346,18 +412,100 @@ impl Call<'_> {
         .into_response()
     }
 
+    /// Why the record may not start on a route that requires approval, if it may not: a
+    /// call runs only on an unexpired approval of exactly its arguments.
+    fn approval_gap(&self, r: &Record) -> Option<String> {
+        if !self.route().approval.as_ref().is_some_and(|a| a.required) {
+            return None;
+        }
+        match &r.approval {
+            None => Some("no approval is on record for this call".into()),
+            Some(a) if a.args_hash != r.args_hash => {
+                Some("the approval on record covers other arguments".into())
+            }
+            Some(a) if a.expires_at_ms.is_some_and(|t| t <= now_ms()) => Some(format!(
+                "the approval by {} expired before the call was sent",
+                a.by
+            )),
+            Some(_) => None,
+        }
+    }
+
+    /// The record is durably claimed (`executing`, or awaiting approval): unless its
+    /// operation was cancelled, send it or ask for approval. The mark is read after the
+    /// durable write, never before, so a concurrent cancellation either finds this record
+    /// in its listing or is found here.
+    async fn proceed(&self, r: Record) -> Response<ProxyBody> {
+        let mark = match &r.operation_id {
+            None => Ok(None),
+            Some(op) => self.proxy.store.operation(op).await,
+        };
+        match (mark, r.state()) {
+            (Ok(Some(mark)), _) => self.cancel_unsent(r, mark).await,
+            (Ok(None), State::Executing) => {
+                failpoint::hit("after_prepared").await;
+                self.execute(r, SendMode::First).await
+            }
+            (Ok(None), _) => self.approval_required(&r),
+            (Err(e), State::Executing) => {
+                // Nothing was sent: fail closed without leaving an `executing` record behind.
+                let why = format!("could not check whether the operation was cancelled: {e}");
+                if let Err(e) = self.transition(r, Event::FailBeforeCommit, Some(why)).await {
+                    tracing::error!(execution_id = %self.id, error = %e, "could not record failed_before_commit");
+                }
+                self.store_failed(e)
+            }
+            (Err(e), _) => self.store_failed(e),
+        }
+    }
+
+    /// A call of a cancelled operation that was never sent becomes `cancelled_before_commit`.
+    async fn cancel_unsent(&self, mut r: Record, mark: OperationMark) -> Response<ProxyBody> {
+        let now = now_ms();
+        let note = format!(
+            "operation cancelled by {} before the call was sent",
+            mark.by
+        );
+        let moved = if r.state() == State::Executing {
+            r.apply(Event::FailBeforeCommit, now, Some(note.clone()))
+        } else {
+            Ok(())
+        }
+        .and_then(|()| r.apply(Event::Cancel, now, Some(note)));
+        if let Err(e) = moved {
+            return Problem::new(Kind::Internal, e.to_string())
+                .execution(&self.id)
+                .into_response();
+        }
+        match self.proxy.store.update(r).await {
+            Ok(_) => {
+                tracing::info!(execution_id = %self.id, "call of a cancelled operation refused before sending");
+                Problem::new(
+                    Kind::Cancelled,
+                    "the operation was cancelled before this call was sent",
+                )
+                .execution(&self.id)
+                .into_response()
+            }
+            Err(e) => self.store_failed(e),
+        }
+    }
+
     fn approval_required(&self, r: &Record) -> Response<ProxyBody> {
-        Problem::new(
-            Kind::ApprovalRequired,
-            "this call needs an operator's approval of these exact arguments",
-        )
-        .execution(&self.id)
-        .with("args_hash", r.args_hash.as_str())
-        .with(
-            "preview",
-            r.preview.clone().unwrap_or(serde_json::Value::Null),
-        )
-        .into_response()
+        let detail = match r.note.as_deref() {
+            Some(why) => {
+                format!("this call needs an operator's approval of these exact arguments ({why})")
+            }
+            None => "this call needs an operator's approval of these exact arguments".into(),
+        };
+        Problem::new(Kind::ApprovalRequired, detail)
+            .execution(&self.id)
+            .with("args_hash", r.args_hash.as_str())
+            .with(
+                "preview",
+                r.preview.clone().unwrap_or(serde_json::Value::Null),
+            )
+            .into_response()
     }
 
     fn store_failed(&self, e: StoreError) -> Response<ProxyBody> {
@@ -370,20 +518,175 @@ impl Call<'_> {
         .into_response()
     }
 
-    /// Send the request downstream under a record that is durably `executing`.
-    async fn execute(&self, record: Record) -> Response<ProxyBody> {
-        failpoint::hit("before_downstream").await;
+    /// Reconcile a retry of an `outcome_unknown` record (SPEC section 7): re-send under the
+    /// same key to a downstream that replays, else ask the lookup, else leave it to an
+    /// operator. Nothing is sent again unless that is known to be safe.
+    async fn reconcile(&self, record: Record) -> Step {
+        let route = self.route();
+        let (upstream_name, route_name) = (&self.target.upstream.name, &route.name);
+        match reconcile::plan(route) {
+            Plan::Resend => {
+                // A re-send may create the effect if the first attempt never did: not
+                // under an operation that was cancelled meanwhile.
+                let mark = match &record.operation_id {
+                    None => None,
+                    Some(op) => match self.proxy.store.operation(op).await {
+                        Ok(m) => m,
+                        Err(e) => return Step::Respond(self.store_failed(e)),
+                    },
+                };
+                if let Some(mark) = mark {
+                    self.count_prevented();
+                    return Step::Respond(self.unknown_retry(
+                        format!("the operation was cancelled by {}; the earlier attempt may or may not have taken effect and nothing more is sent", mark.by),
+                        None,
+                    ));
+                }
+                let mut r = record;
+                let note = "re-sent under the same key: the downstream replays keyed requests";
+                if let Err(e) = r.apply(Event::Resend, now_ms(), Some(note.into())) {
+                    return Step::Respond(self.internal(e.to_string()));
+                }
+                r.lease = Some(self.lease());
+                match self.proxy.store.update(r).await {
+                    Ok(r) => {
+                        tracing::info!(execution_id = %self.id, "outcome unknown: re-sending under the same key");
+                        self.metrics()
+                            .reconciled(upstream_name, route_name, "resent");
+                        failpoint::hit("after_prepared").await;
+                        Step::Respond(self.execute(r, SendMode::Resend).await)
+                    }
+                    Err(StoreError::Conflict { .. }) => Step::Again,
+                    Err(e) => Step::Respond(self.store_failed(e)),
+                }
+            }
+            Plan::Lookup(spec) => {
+                let limit = self.rt.config.limits.max_response_bytes;
+                let headers = downstream::request_headers(
+                    &self.parts.headers,
+                    self.target.upstream,
+                    self.peer,
+                    &[&self.rt.config.identity.key_header],
+                );
+                let verdict = lookup::lookup(
+                    self.client,
+                    self.target.upstream,
+                    route,
+                    spec,
+                    &record,
+                    Some(headers),
+                    limit,
+                )
+                .await;
+                let result = verdict.name();
+                match verdict {
+                    found @ Verdict::Found { .. } => {
+                        let mut r = record;
+                        if !lookup::apply_found(&mut r, found) {
+                            return Step::Again;
+                        }
+                        match self.proxy.store.update(r).await {
+                            Ok(r) => {
+                                tracing::info!(execution_id = %self.id, "outcome unknown: the lookup found the effect; committed");
+                                lookup::found_under_cancelled_operation(
+                                    self.proxy.store.as_ref(),
+                                    &r,
+                                )
+                                .await;
+                                self.metrics().reconciled(upstream_name, route_name, result);
+                                self.count_prevented();
+                                Step::Respond(self.replay(&r))
+                            }
+                            Err(StoreError::Conflict { .. }) => Step::Again,
+                            Err(e) => Step::Respond(self.store_failed(e)),
+                        }
+                    }
+                    Verdict::NotFound => match reconcile::settled(&record, spec.settle, now_ms()) {
+                        Ok(()) => {
+                            let mut r = record;
+                            let note = "reconciled: the lookup did not find the effect; it may execute under the same key";
+                            if let Err(e) =
+                                r.apply(Event::ResolveNotCommitted, now_ms(), Some(note.into()))
+                            {
+                                return Step::Respond(self.internal(e.to_string()));
+                            }
+                            // Now `failed_before_commit`: the next turn of the loop starts it
+                            // through the same gates as any retry (approval, cancellation).
+                            match self.proxy.store.update(r).await {
+                                Ok(_) => {
+                                    tracing::info!(execution_id = %self.id, "outcome unknown: the lookup did not find the effect; executing");
+                                    self.metrics().reconciled(upstream_name, route_name, result);
+                                    Step::Again
+                                }
+                                Err(StoreError::Conflict { .. }) => Step::Again,
+                                Err(e) => Step::Respond(self.store_failed(e)),
+                            }
+                        }
+                        Err(left) => {
+                            self.metrics()
+                                .reconciled(upstream_name, route_name, "unknown");
+                            self.count_prevented();
+                            Step::Respond(self.unknown_retry(
+                                format!("the lookup did not find the effect, but the last attempt may still be in progress downstream (settle window {:?}); it is not re-sent yet", spec.settle),
+                                Some(left),
+                            ))
+                        }
+                    },
+                    Verdict::Unknown(why) => {
+                        tracing::warn!(execution_id = %self.id, reason = %why, "outcome unknown: the lookup proved nothing");
+                        self.metrics().reconciled(upstream_name, route_name, result);
+                        self.count_prevented();
+                        Step::Respond(self.unknown_retry(
+                            format!("{why}; the earlier attempt may or may not have taken effect and is not re-sent"),
+                            Some(Duration::from_secs(5)),
+                        ))
+                    }
+                }
+            }
+            Plan::Operator => {
+                self.count_prevented();
+                Step::Respond(self.unknown_retry(
+                    "an earlier attempt may or may not have taken effect, and this route has no way to find out (no replaying downstream key, no reconcile lookup); it stays unknown until an operator resolves it".into(),
+                    None,
+                ))
+            }
+        }
+    }
+
+    fn count_prevented(&self) {
+        self.metrics()
+            .duplicates_prevented
+            .get_or_create(&self.labels())
+            .inc();
+    }
+
+    fn internal(&self, why: String) -> Response<ProxyBody> {
+        Problem::new(Kind::Internal, why)
+            .execution(&self.id)
+            .into_response()
+    }
+
+    /// `409` problem `outcome-unknown` for a retry. `Retry-After` is set only when the
+    /// proxy expects to learn more (a settle window, a lookup to try again); without it the
+    /// record waits for an operator and retrying will not change the answer.
+    fn unknown_retry(&self, why: String, retry_after: Option<Duration>) -> Response<ProxyBody> {
+        let mut p = Problem::new(Kind::OutcomeUnknownPending, why)
+            .execution(&self.id)
+            .header(STATUS, HeaderValue::from_static("outcome_unknown"));
+        if let Some(d) = retry_after {
+            let secs = d.as_millis().div_ceil(1000).max(1);
+            p = p.header("retry-after", HeaderValue::from(secs as u64));
+        }
+        p.into_response()
+    }
+
+    /// The downstream request for one try (a fresh one per try: bodies are consumed).
+    fn request(&self, body: Bytes) -> Result<Request<ProxyBody>, String> {
         let route = self.route();
         let upstream = self.target.upstream;
         let rel = downstream::rel_with_query(self.target, self.parts.uri.query());
-        let uri = match downstream::uri(upstream, &rel) {
-            Ok(u) => u,
-            Err(e) => {
-                return self
-                    .finish_failed(record, format!("cannot build upstream URI: {e}"), None)
-                    .await
-            }
-        };
+        let uri = downstream::uri(upstream, &rel)
+            .map_err(|e| format!("cannot build upstream URI: {e}"))?;
         let mut headers = downstream::request_headers(
             &self.parts.headers,
             upstream,
@@ -397,22 +700,28 @@ impl Call<'_> {
                 downstream::header_value(self.id.as_str()),
             );
         }
-        let req = downstream::build(
+        Ok(downstream::build(
             self.parts.method.clone(),
             uri,
             headers,
-            body::full(self.body.clone()),
-        );
-        tracing::info!(execution_id = %self.id, upstream = %upstream.name, route = %route.name, attempt = record.attempts, "executing");
-        self.metrics().attempts.get_or_create(&self.labels()).inc();
-        let started = tokio::time::Instant::now();
-        let sent = tokio::time::timeout(route.timeout, async {
+            body::full(body),
+        ))
+    }
+
+    /// One try: send and read the whole answer within the route's timeout.
+    async fn send(&self, req: Request<ProxyBody>) -> Sent {
+        let route = self.route();
+        let (req, sent) = {
+            let (parts, b) = req.into_parts();
+            let (b, sent) = failpoint::watch_sent("in_flight", b);
+            (Request::from_parts(parts, b), sent)
+        };
+        let work = tokio::time::timeout(route.timeout, async {
             let resp = self
                 .client
                 .request(req)
                 .await
                 .map_err(|e| (client::classify(&e), client::describe(&e)))?;
-            failpoint::hit("in_flight").await;
             let (rparts, rbody) = resp.into_parts();
             let limit = self.rt.config.limits.max_response_bytes;
             let bytes = Limited::new(rbody, limit)
@@ -426,23 +735,92 @@ impl Call<'_> {
                 })?
                 .to_bytes();
             Ok::<_, (SendFailure, String)>((rparts, bytes))
-        })
-        .await;
+        });
+        let outcome = match sent {
+            None => work.await,
+            Some(sent) => {
+                // Failpoint `in_flight`: once the request is handed over, stop here (outside
+                // the timeout, which would otherwise end the park).
+                tokio::pin!(work);
+                tokio::select! {
+                    biased;
+                    r = &mut work => r,
+                    Ok(()) = sent => {
+                        failpoint::hit("in_flight").await;
+                        work.await
+                    }
+                }
+            }
+        };
+        match outcome {
+            Err(_) => Sent::Timeout,
+            Ok(Err((failure, why))) => Sent::Failed(failure, why),
+            Ok(Ok((parts, bytes))) => Sent::Answer(parts, bytes),
+        }
+    }
+
+    /// Send the request downstream under a record that is durably `executing`.
+    async fn execute(&self, record: Record, mode: SendMode) -> Response<ProxyBody> {
+        let route = self.route();
+        let upstream = self.target.upstream;
+        // A re-send must be byte-identical to what the downstream saw first.
+        let body = match (mode, &record.sent_body) {
+            (SendMode::Resend, Some(b)) => Bytes::from(b.clone()),
+            _ => self.body.clone(),
+        };
+        tracing::info!(execution_id = %self.id, upstream = %upstream.name, route = %route.name, attempt = record.attempts, resend = mode == SendMode::Resend, "executing");
+        self.metrics().attempts.get_or_create(&self.labels()).inc();
+        let started = tokio::time::Instant::now();
+        // Executor retries: only a send that provably never left (connect, DNS, TLS) is
+        // tried again, under the same execution; anything else is the model's business.
+        let tries = route.retry.attempts.max(1);
+        let mut backoff = route.retry.backoff;
+        let mut tried = 1;
+        let sent = loop {
+            let req = match self.request(body.clone()) {
+                Ok(r) => r,
+                Err(why) => break Sent::Failed(SendFailure::BeforeSend, why),
+            };
+            failpoint::hit("before_downstream").await;
+            match self.send(req).await {
+                Sent::Failed(SendFailure::BeforeSend, why) if tried < tries => {
+                    tracing::debug!(execution_id = %self.id, try_no = tried, reason = %why, "nothing was sent; trying again under the same execution");
+                    tokio::time::sleep(backoff).await;
+                    backoff = backoff.saturating_mul(2);
+                    tried += 1;
+                }
+                other => break other,
+            }
+        };
         let elapsed = started.elapsed();
         self.metrics()
             .upstream_duration
             .get_or_create(&self.labels())
             .observe(elapsed.as_secs_f64());
         match sent {
-            Err(_) => {
+            Sent::Timeout => {
                 let why = format!("no complete answer within {:?}", route.timeout);
                 self.finish_unknown(record, why, true).await
             }
-            Ok(Err((SendFailure::BeforeSend, why))) => self.finish_failed(record, why, None).await,
-            Ok(Err((SendFailure::AfterSend, why))) => self.finish_unknown(record, why, false).await,
-            Ok(Ok((rparts, bytes))) => {
+            Sent::Failed(SendFailure::BeforeSend, why) => match mode {
+                SendMode::First => self.finish_failed(record, why, None).await,
+                SendMode::Resend => {
+                    let why =
+                        format!("{why} (re-send; the earlier attempt's outcome is still unknown)");
+                    self.finish_unknown(record, why, false).await
+                }
+            },
+            Sent::Failed(SendFailure::AfterSend, why) => {
+                self.finish_unknown(record, why, false).await
+            }
+            Sent::Answer(rparts, bytes) => {
                 failpoint::hit("after_remote_commit").await;
                 tracing::debug!(execution_id = %self.id, status = %rparts.status, elapsed_ms = elapsed.as_millis() as u64, "downstream answered");
+                if mode == SendMode::Resend && rparts.status == StatusCode::CONFLICT {
+                    // A downstream that dedups keyed requests answers 409 while the
+                    // original request with this key is still being processed.
+                    return self.finish_still_in_flight(record).await;
+                }
                 let mut rheaders = rparts.headers;
                 downstream::response_headers(&mut rheaders);
                 let stored = StoredResponse {
@@ -478,6 +856,22 @@ impl Call<'_> {
         }
     }
 
+    /// A re-send found the original request still in progress downstream: still unknown,
+    /// and worth asking again shortly.
+    async fn finish_still_in_flight(&self, record: Record) -> Response<ProxyBody> {
+        let why = "the downstream reports the original request with this key is still in progress (409 on re-send)".to_string();
+        tracing::info!(execution_id = %self.id, "re-send: the original request is still in progress downstream");
+        if let Err(e) = self
+            .transition(record, Event::LoseOutcome, Some(why.clone()))
+            .await
+        {
+            tracing::error!(execution_id = %self.id, error = %e, "could not record outcome_unknown");
+        } else {
+            failpoint::hit("after_local_commit").await;
+        }
+        self.unknown_retry(why, Some(Duration::from_secs(1)))
+    }
+
     /// Write `record` after applying `event`; on a fencing conflict, return what is stored now.
     async fn transition(
         &self,
@@ -488,7 +882,14 @@ impl Call<'_> {
         if let Err(e) = record.apply(event, now_ms(), note) {
             return Err(StoreError::Backend(e.to_string()));
         }
-        self.proxy.store.update(record).await
+        let stored = self.proxy.store.update(record).await?;
+        if stored.state() == State::OutcomeUnknown {
+            self.metrics()
+                .outcome_unknown
+                .get_or_create(&self.labels())
+                .inc();
+        }
+        Ok(stored)
     }
 
     async fn finish_committed(
@@ -561,12 +962,8 @@ impl Call<'_> {
         downstream: Option<StoredResponse>,
     ) -> Response<ProxyBody> {
         tracing::warn!(execution_id = %self.id, reason = %why, "failed before commit");
-        if let Err(e) = self
-            .transition(record, Event::FailBeforeCommit, Some(why.clone()))
-            .await
-        {
-            tracing::error!(execution_id = %self.id, error = %e, "could not record failed_before_commit");
-        }
+        self.record_outcome(record, Event::FailBeforeCommit, &why)
+            .await;
         match downstream {
             Some(stored) => {
                 let mut resp = stored_response(&stored, &self.id);
@@ -593,12 +990,7 @@ impl Call<'_> {
         timeout: bool,
     ) -> Response<ProxyBody> {
         tracing::warn!(execution_id = %self.id, reason = %why, "outcome unknown");
-        if let Err(e) = self
-            .transition(record, Event::LoseOutcome, Some(why.clone()))
-            .await
-        {
-            tracing::error!(execution_id = %self.id, error = %e, "could not record outcome_unknown");
-        }
+        self.record_outcome(record, Event::LoseOutcome, &why).await;
         self.unknown_problem(why, timeout)
     }
 
@@ -609,13 +1001,22 @@ impl Call<'_> {
         stored: StoredResponse,
     ) -> Response<ProxyBody> {
         tracing::warn!(execution_id = %self.id, reason = %why, "outcome unknown");
-        if let Err(e) = self.transition(record, Event::LoseOutcome, Some(why)).await {
-            tracing::error!(execution_id = %self.id, error = %e, "could not record outcome_unknown");
-        }
+        self.record_outcome(record, Event::LoseOutcome, &why).await;
         let mut resp = stored_response(&stored, &self.id);
         resp.headers_mut()
             .insert(STATUS, HeaderValue::from_static("outcome_unknown"));
         resp
+    }
+
+    /// Store how an attempt ended without a committed answer. If that write fails the
+    /// record stays `executing`, which recovery turns into `outcome_unknown`: never lost.
+    async fn record_outcome(&self, record: Record, event: Event, why: &str) {
+        match self.transition(record, event, Some(why.to_string())).await {
+            Ok(_) => failpoint::hit("after_local_commit").await,
+            Err(e) => {
+                tracing::error!(execution_id = %self.id, error = %e, event = event.as_str(), "could not record the attempt's outcome")
+            }
+        }
     }
 
     fn unknown_problem(&self, why: String, timeout: bool) -> Response<ProxyBody> {

@@ -2,13 +2,16 @@
 //! (single instance, embedded) and PostgreSQL (many instances) implement it with the same
 //! guarantees: `claim` is one atomic step, every `update` is a compare-and-set on the
 //! record's `version` (the fencing token), and a returned `Ok` means the write is durable.
+//! Beside the records, a store keeps the marks of cancelled parent operations.
 
+pub mod operation;
 pub mod postgres;
 pub mod record;
 pub mod redb;
 
 use async_trait::async_trait;
 
+pub use operation::{OperationMark, OperationState};
 pub use record::{Approval, HistoryEntry, Lease, NewRecord, Record, StoredResponse};
 
 use crate::policy::identity::ExecutionId;
@@ -85,8 +88,16 @@ pub trait Store: Send + Sync + 'static {
     async fn renew_leases(&self, owner: &str, until_ms: i64) -> StoreResult<u64>;
 
     /// Delete up to `limit` records whose retention ended before `now_ms` and that are not
-    /// `executing` (an executing record is never deleted under its owner). Returns the count.
+    /// `executing` (an executing record is never deleted under its owner), and up to
+    /// `limit` operation marks whose retention ended. Returns how many of both went.
     async fn gc(&self, now_ms: i64, limit: usize) -> StoreResult<u64>;
+
+    /// Store `mark`, merged atomically with the mark already stored for its operation by
+    /// [`OperationMark::merge`] (a mark never moves back). Returns the mark as stored.
+    async fn mark_operation(&self, mark: OperationMark) -> StoreResult<OperationMark>;
+
+    /// The mark of `operation_id`, if it was ever cancelled (and not yet swept).
+    async fn operation(&self, operation_id: &str) -> StoreResult<Option<OperationMark>>;
 }
 
 /// Milliseconds since the Unix epoch: records outlive processes, so they carry wall time.

@@ -53,7 +53,9 @@ use async_trait::async_trait;
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use tokio_postgres::{NoTls, Row};
 
-use super::{Claim, Lease, ListFilter, Record, Store, StoreError, StoreResult};
+use super::{
+    Claim, Lease, ListFilter, OperationMark, OperationState, Record, Store, StoreError, StoreResult,
+};
 use crate::policy::identity::ExecutionId;
 use crate::policy::state::State;
 
@@ -71,6 +73,8 @@ const CLAIM_ATTEMPTS: usize = 3;
 
 /// The columns every read selects, in the order [`decode_row`] expects.
 const COLUMNS: &str = "id, version, lease_owner, lease_expires_at_ms, body";
+/// The columns of an operation mark, in the order [`decode_mark`] expects.
+const MARK_COLUMNS: &str = "id, state, cancelled_by, cancelled_at_ms, updated_at_ms, expires_at_ms";
 
 /// Records in PostgreSQL, one row per execution. Cheap to share: clone the `Arc` it sits
 /// in; the pool is internally synchronised.
@@ -90,11 +94,15 @@ struct Sql {
     stale_all: String,
     renew: String,
     gc: String,
+    mark_operation: String,
+    operation: String,
+    gc_operations: String,
 }
 
 impl Sql {
     fn new(schema: &str) -> Sql {
         let table = format!("{}.records", schema::quote(schema));
+        let operations = format!("{}.operations", schema::quote(schema));
         Sql {
             claim: format!(
                 "INSERT INTO {table} (id, version, state, operation_id, lease_owner, \
@@ -140,6 +148,26 @@ impl Sql {
                      ORDER BY expires_at_ms LIMIT $2 \
                      FOR UPDATE SKIP LOCKED) \
                  AND expires_at_ms < $1 AND state <> 'executing'"
+            ),
+            // OperationMark::merge as one atomic statement: the state only moves forward,
+            // the first cancellation keeps its author and time, retention only grows.
+            mark_operation: format!(
+                "INSERT INTO {operations} AS o (id, state, cancelled_by, cancelled_at_ms, \
+                 updated_at_ms, expires_at_ms) VALUES ($1, $2, $3, $4, $5, $6) \
+                 ON CONFLICT (id) DO UPDATE SET \
+                 state = CASE WHEN o.state = 'cancelled_after_side_effect' \
+                     OR EXCLUDED.state = 'cancelled_after_side_effect' \
+                     THEN 'cancelled_after_side_effect' ELSE 'cancelled' END, \
+                 updated_at_ms = GREATEST(o.updated_at_ms, EXCLUDED.updated_at_ms), \
+                 expires_at_ms = GREATEST(o.expires_at_ms, EXCLUDED.expires_at_ms) \
+                 RETURNING {MARK_COLUMNS}"
+            ),
+            operation: format!("SELECT {MARK_COLUMNS} FROM {operations} WHERE id = $1"),
+            gc_operations: format!(
+                "DELETE FROM {operations} WHERE id IN ( \
+                     SELECT id FROM {operations} WHERE expires_at_ms < $1 \
+                     ORDER BY expires_at_ms LIMIT $2 FOR UPDATE SKIP LOCKED) \
+                 AND expires_at_ms < $1"
             ),
             table,
         }
@@ -418,15 +446,74 @@ impl Store for PostgresStore {
     async fn gc(&self, now_ms: i64, limit: usize) -> StoreResult<u64> {
         let limit = db_limit(limit);
         let client = self.client("gc").await?;
-        let stmt = client
-            .prepare_cached(&self.sql.gc)
-            .await
-            .map_err(|e| db_error("gc", &e))?;
-        client
-            .execute(&stmt, &[&now_ms, &limit])
-            .await
-            .map_err(|e| db_error("gc", &e))
+        let mut removed = 0;
+        for sql in [&self.sql.gc, &self.sql.gc_operations] {
+            let stmt = client
+                .prepare_cached(sql)
+                .await
+                .map_err(|e| db_error("gc", &e))?;
+            removed += client
+                .execute(&stmt, &[&now_ms, &limit])
+                .await
+                .map_err(|e| db_error("gc", &e))?;
+        }
+        Ok(removed)
     }
+
+    async fn mark_operation(&self, mark: OperationMark) -> StoreResult<OperationMark> {
+        let client = self.client("mark_operation").await?;
+        let stmt = client
+            .prepare_cached(&self.sql.mark_operation)
+            .await
+            .map_err(|e| db_error("mark_operation", &e))?;
+        let row = client
+            .query_one(
+                &stmt,
+                &[
+                    &mark.operation_id,
+                    &mark.state.as_str(),
+                    &mark.by,
+                    &mark.cancelled_at_ms,
+                    &mark.updated_at_ms,
+                    &mark.expires_at_ms,
+                ],
+            )
+            .await
+            .map_err(|e| db_error("mark_operation", &e))?;
+        decode_mark(&row)
+    }
+
+    async fn operation(&self, operation_id: &str) -> StoreResult<Option<OperationMark>> {
+        let client = self.client("operation").await?;
+        let stmt = client
+            .prepare_cached(&self.sql.operation)
+            .await
+            .map_err(|e| db_error("operation", &e))?;
+        let row = client
+            .query_opt(&stmt, &[&operation_id])
+            .await
+            .map_err(|e| db_error("operation", &e))?;
+        row.as_ref().map(decode_mark).transpose()
+    }
+}
+
+/// A row (selected as [`MARK_COLUMNS`]) as an operation mark.
+fn decode_mark(row: &Row) -> StoreResult<OperationMark> {
+    let id: String = row.try_get(0).map_err(|e| db_error("read mark", &e))?;
+    let corrupt = |reason: String| StoreError::Corrupt {
+        id: id.clone(),
+        reason,
+    };
+    let state: String = row.try_get(1).map_err(|e| corrupt(e.to_string()))?;
+    Ok(OperationMark {
+        state: OperationState::parse(&state)
+            .ok_or_else(|| corrupt(format!("unknown operation state {state:?}")))?,
+        by: row.try_get(2).map_err(|e| corrupt(e.to_string()))?,
+        cancelled_at_ms: row.try_get(3).map_err(|e| corrupt(e.to_string()))?,
+        updated_at_ms: row.try_get(4).map_err(|e| corrupt(e.to_string()))?,
+        expires_at_ms: row.try_get(5).map_err(|e| corrupt(e.to_string()))?,
+        operation_id: id,
+    })
 }
 
 /// The denormalised columns, always derived from the record being written.
@@ -1137,6 +1224,82 @@ mod tests {
                 Err(StoreError::Corrupt { id, .. }) => assert_eq!(id, "ex_bad"),
                 other => panic!("expected Corrupt, got {other:?}"),
             }
+        })
+        .await;
+    }
+
+    fn mark(op: &str, state: OperationState, at: i64, expires: i64) -> OperationMark {
+        OperationMark {
+            operation_id: op.into(),
+            state,
+            by: format!("by_{at}"),
+            cancelled_at_ms: at,
+            updated_at_ms: at,
+            expires_at_ms: expires,
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn operation_marks_merge_forward_across_instances_and_expire() {
+        use OperationState::{Cancelled, CancelledAfterSideEffect};
+        with_schema(|url, schema| async move {
+            let a = Arc::new(store(&url, &schema).await);
+            let b = Arc::new(store(&url, &schema).await);
+            assert_eq!(a.operation("op_a").await.expect("read"), None);
+
+            // Racing first marks from two instances: one row, the stronger state wins.
+            let (x, y) = tokio::join!(
+                tokio::spawn({
+                    let a = Arc::clone(&a);
+                    async move { a.mark_operation(mark("op_a", Cancelled, 10, 100)).await }
+                }),
+                tokio::spawn({
+                    let b = Arc::clone(&b);
+                    async move {
+                        b.mark_operation(mark("op_a", CancelledAfterSideEffect, 10, 100))
+                            .await
+                    }
+                })
+            );
+            x.expect("task").expect("mark");
+            y.expect("task").expect("mark");
+            let stored = b.operation("op_a").await.expect("read").expect("present");
+            assert_eq!(stored.state, CancelledAfterSideEffect);
+
+            // A later, weaker mark cannot move it back or rename who cancelled first.
+            let merged = a
+                .mark_operation(mark("op_a", Cancelled, 20, 50))
+                .await
+                .expect("mark");
+            assert_eq!(merged.state, CancelledAfterSideEffect);
+            assert_eq!((merged.by.as_str(), merged.cancelled_at_ms), ("by_10", 10));
+            assert_eq!((merged.updated_at_ms, merged.expires_at_ms), (20, 100));
+            assert_eq!(
+                b.operation("op_a").await.expect("read"),
+                Some(merged.clone())
+            );
+
+            let up = a
+                .mark_operation(mark("op_b", Cancelled, 5, 30))
+                .await
+                .expect("mark");
+            assert_eq!(up.state, Cancelled);
+            let up = b
+                .mark_operation(mark("op_b", CancelledAfterSideEffect, 40, 30))
+                .await
+                .expect("mark");
+            assert_eq!(
+                (up.state, up.by.as_str()),
+                (CancelledAfterSideEffect, "by_5")
+            );
+
+            // gc sweeps expired marks beside records: op_b expired at 30, op_a lives on.
+            a.claim(record("ex_old", "op", 5)).await.expect("claim");
+            assert_eq!(a.gc(31, 10).await.expect("gc"), 2, "one record + one mark");
+            assert_eq!(a.operation("op_b").await.expect("read"), None);
+            assert_eq!(a.operation("op_a").await.expect("read"), Some(merged));
+            assert_eq!(a.gc(101, 10).await.expect("gc"), 1);
+            assert_eq!(a.operation("op_a").await.expect("read"), None);
         })
         .await;
     }

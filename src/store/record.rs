@@ -98,6 +98,12 @@ pub struct Record {
     pub note: Option<String>,
     #[serde(default)]
     pub history: Vec<HistoryEntry>,
+    /// The request body as first sent, kept only on routes whose downstream replays keyed
+    /// requests: a re-send under the same key must be byte-identical to the original (such
+    /// downstreams compare, and reject a reused key with a changed body), even when the
+    /// retry differs in `ignore_json` fields. Never logged; deleted with the record.
+    #[serde(default, with = "opt_b64", skip_serializing_if = "Option::is_none")]
+    pub sent_body: Option<Vec<u8>>,
 }
 
 /// Everything needed to create a record; the store assigns nothing but the version.
@@ -149,6 +155,7 @@ impl Record {
             response: None,
             note: None,
             history: Vec::new(),
+            sent_body: None,
         }
     }
 
@@ -184,6 +191,11 @@ impl Record {
         if to != State::Executing {
             self.lease = None;
         }
+        if to == State::AwaitingApproval {
+            // Waiting for a decision means no decision covers the call (a lapsed one stays
+            // in the history).
+            self.approval = None;
+        }
         self.note = note.clone();
         self.history.push(HistoryEntry {
             at_ms: now_ms,
@@ -218,6 +230,27 @@ mod b64 {
         base64::engine::general_purpose::STANDARD
             .decode(s)
             .map_err(serde::de::Error::custom)
+    }
+}
+
+mod opt_b64 {
+    use super::*;
+    pub fn serialize<S: serde::Serializer>(v: &Option<Vec<u8>>, s: S) -> Result<S::Ok, S::Error> {
+        match v {
+            Some(b) => s.serialize_some(&base64::engine::general_purpose::STANDARD.encode(b)),
+            None => s.serialize_none(),
+        }
+    }
+    pub fn deserialize<'de, D: serde::Deserializer<'de>>(
+        d: D,
+    ) -> Result<Option<Vec<u8>>, D::Error> {
+        match Option::<String>::deserialize(d)? {
+            Some(t) => base64::engine::general_purpose::STANDARD
+                .decode(t)
+                .map(Some)
+                .map_err(serde::de::Error::custom),
+            None => Ok(None),
+        }
     }
 }
 
@@ -321,6 +354,7 @@ mod tests {
             ],
             body: vec![0, 1, 2, 255],
         });
+        r.sent_body = Some(vec![b'{', 0xfe, b'}']);
         let back = Record::from_bytes("ex_test", &r.to_bytes()).expect("decodes");
         assert_eq!(back, r);
     }

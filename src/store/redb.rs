@@ -18,7 +18,7 @@ use tokio::sync::oneshot;
 use self::tables::Snapshot;
 use self::writer::{Command, Reply, Writer};
 use crate::policy::identity::ExecutionId;
-use crate::store::{Claim, ListFilter, Record, Store, StoreError, StoreResult};
+use crate::store::{Claim, ListFilter, OperationMark, Record, Store, StoreError, StoreResult};
 
 /// redb's page cache (see [`RedbStore::open`]).
 const CACHE_BYTES: usize = 16 << 20;
@@ -255,5 +255,15 @@ impl Store for RedbStore {
             reply,
         })
         .await
+    }
+
+    async fn mark_operation(&self, mark: OperationMark) -> StoreResult<OperationMark> {
+        self.submit(|reply| Command::MarkOperation { mark, reply })
+            .await
+    }
+
+    /// A point read on the caller's thread, like `get`.
+    async fn operation(&self, operation_id: &str) -> StoreResult<Option<OperationMark>> {
+        Snapshot::begin(&self.shared.db)?.operation(operation_id)
     }
 }

@@ -169,3 +169,75 @@ pub fn describe(err: &(dyn std::error::Error + 'static)) -> String {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+
+    /// Serve each connection with `f` on a plain TCP listener; returns the port.
+    fn server(f: fn(std::net::TcpStream)) -> u16 {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = l.local_addr().expect("addr").port();
+        std::thread::spawn(move || {
+            for s in l.incoming().map_while(Result::ok) {
+                f(s);
+            }
+        });
+        port
+    }
+
+    async fn failure(url: String) -> SendFailure {
+        let c = build(Duration::from_secs(2), None).expect("client");
+        let req = http::Request::post(url)
+            .body(crate::wire::body::full("{}"))
+            .expect("request");
+        let err = c.request(req).await.expect_err("must fail");
+        classify(&err)
+    }
+
+    #[tokio::test]
+    async fn connect_refused_and_tls_failures_are_before_send() {
+        let closed = std::net::TcpListener::bind("127.0.0.1:0")
+            .expect("bind")
+            .local_addr()
+            .expect("addr")
+            .port();
+        assert_eq!(
+            failure(format!("http://127.0.0.1:{closed}/")).await,
+            SendFailure::BeforeSend
+        );
+        let plain = server(|mut s| {
+            let mut buf = [0u8; 512];
+            let _ = s.read(&mut buf);
+            let _ = s.write_all(b"HTTP/1.1 400 Bad Request\r\n\r\n");
+        });
+        assert_eq!(
+            failure(format!("https://127.0.0.1:{plain}/")).await,
+            SendFailure::BeforeSend,
+            "a failed TLS handshake sent no request byte"
+        );
+    }
+
+    #[tokio::test]
+    async fn losing_the_connection_after_sending_is_after_send() {
+        let eof = server(|mut s| {
+            let mut buf = [0u8; 4096];
+            let _ = s.read(&mut buf);
+            // read the request, answer nothing
+        });
+        assert_eq!(
+            failure(format!("http://127.0.0.1:{eof}/")).await,
+            SendFailure::AfterSend
+        );
+        let garbage = server(|mut s| {
+            let mut buf = [0u8; 4096];
+            let _ = s.read(&mut buf);
+            let _ = s.write_all(b"NOT HTTP AT ALL\r\n\r\n");
+        });
+        assert_eq!(
+            failure(format!("http://127.0.0.1:{garbage}/")).await,
+            SendFailure::AfterSend
+        );
+    }
+}

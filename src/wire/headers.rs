@@ -9,6 +9,8 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 pub const EXECUTION_ID: &str = "idempotency-execution-id";
 pub const REPLAYED: &str = "idempotent-replayed";
 pub const STATUS: &str = "idempotency-status";
+/// On a result that came from a reconciliation lookup rather than the original answer.
+pub const RECONCILED: &str = "idempotency-reconciled";
 
 const HOP_BY_HOP: [HeaderName; 8] = [
     header::CONNECTION,

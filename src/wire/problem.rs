@@ -32,7 +32,10 @@ pub enum Kind {
     BadRequest,
     Unauthorized,
     NotFound,
+    MethodNotAllowed,
     Conflict,
+    /// An approval named arguments other than the execution's own.
+    ApprovalMismatch,
     Internal,
 }
 
@@ -59,7 +62,9 @@ impl Kind {
             Kind::BadRequest => "bad-request",
             Kind::Unauthorized => "unauthorized",
             Kind::NotFound => "not-found",
+            Kind::MethodNotAllowed => "method-not-allowed",
             Kind::Conflict => "conflict",
+            Kind::ApprovalMismatch => "approval-mismatch",
             Kind::Internal => "internal",
         }
     }
@@ -68,9 +73,11 @@ impl Kind {
         match self {
             Kind::KeyMissing | Kind::KeyInvalid | Kind::BadRequest => StatusCode::BAD_REQUEST,
             Kind::KeyMismatch => StatusCode::UNPROCESSABLE_ENTITY,
-            Kind::InFlight | Kind::Cancelled | Kind::Conflict | Kind::OutcomeUnknownPending => {
-                StatusCode::CONFLICT
-            }
+            Kind::InFlight
+            | Kind::Cancelled
+            | Kind::Conflict
+            | Kind::ApprovalMismatch
+            | Kind::OutcomeUnknownPending => StatusCode::CONFLICT,
             Kind::OutcomeUnknown | Kind::UpstreamUnavailable | Kind::ResponseTooLarge => {
                 StatusCode::BAD_GATEWAY
             }
@@ -81,6 +88,7 @@ impl Kind {
             Kind::NoRoute | Kind::RouteUnmatched | Kind::NotFound => StatusCode::NOT_FOUND,
             Kind::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
             Kind::Unauthorized => StatusCode::UNAUTHORIZED,
+            Kind::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             Kind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -107,7 +115,9 @@ impl Kind {
             Kind::BadRequest => "Bad request",
             Kind::Unauthorized => "Unauthorized",
             Kind::NotFound => "Not found",
+            Kind::MethodNotAllowed => "Method not allowed",
             Kind::Conflict => "Conflict",
+            Kind::ApprovalMismatch => "Approval does not match the execution's arguments",
             Kind::Internal => "Internal error",
         }
     }

@@ -45,9 +45,83 @@ impl Options {
     }
 }
 
-/// Serve until `shutdown` turns true, then drain for at most `grace`. `make_handler` is
-/// called once per worker thread, so each can hold state of its own.
-pub async fn serve<M, H, F>(
+/// Serve on the caller's runtime until `shutdown` resolves, then drain for at most
+/// `grace`. For listeners whose load does not matter (the admin API).
+pub async fn serve<H, F>(
+    listener: TcpListener,
+    handler: H,
+    shutdown: impl Future<Output = ()>,
+    grace: Duration,
+) where
+    H: Fn(Request<Incoming>, SocketAddr) -> F + Clone + Send + Sync + 'static,
+    F: Future<Output = Response<ProxyBody>> + Send + 'static,
+{
+    let builder = http_builder();
+    let graceful = GracefulShutdown::new();
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let (stream, peer) = match accepted {
+                    Ok(x) => x,
+                    Err(e) => {
+                        // EMFILE and friends: back off instead of spinning.
+                        tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let _ = stream.set_nodelay(true);
+                spawn_connection(&builder, &graceful, stream, peer, handler.clone());
+            }
+            _ = &mut shutdown => break,
+        }
+    }
+    drop(listener);
+    tokio::select! {
+        _ = graceful.shutdown() => tracing::info!("all connections drained"),
+        _ = tokio::time::sleep(grace) => tracing::warn!("grace period over; closing remaining connections"),
+    }
+}
+
+fn http_builder() -> auto::Builder<TokioExecutor> {
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .keep_alive(true)
+        .timer(hyper_util::rt::TokioTimer::new());
+    builder.http2().timer(hyper_util::rt::TokioTimer::new());
+    builder
+}
+
+/// Serves one connection as a task on the current runtime, watched for graceful shutdown.
+fn spawn_connection<H, F>(
+    builder: &auto::Builder<TokioExecutor>,
+    graceful: &GracefulShutdown,
+    stream: tokio::net::TcpStream,
+    peer: SocketAddr,
+    handler: H,
+) where
+    H: Fn(Request<Incoming>, SocketAddr) -> F + Clone + Send + Sync + 'static,
+    F: Future<Output = Response<ProxyBody>> + Send + 'static,
+{
+    let svc = hyper::service::service_fn(move |req| {
+        let fut = handler(req, peer);
+        async move { Ok::<_, Infallible>(fut.await) }
+    });
+    let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
+    let conn = graceful.watch(conn.into_owned());
+    tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            tracing::debug!(error = %e, "connection ended with error");
+        }
+    });
+}
+
+/// The proxy listener: serve on worker threads until `shutdown` turns true, then drain
+/// for at most `grace`. `make_handler` is called once per worker thread, so each can hold
+/// state of its own.
+pub async fn serve_on_workers<M, H, F>(
     listener: TcpListener,
     make_handler: M,
     mut shutdown: watch::Receiver<bool>,
@@ -150,12 +224,7 @@ fn worker<H, F>(
         }
     };
     rt.block_on(async move {
-        let mut builder = auto::Builder::new(TokioExecutor::new());
-        builder
-            .http1()
-            .keep_alive(true)
-            .timer(hyper_util::rt::TokioTimer::new());
-        builder.http2().timer(hyper_util::rt::TokioTimer::new());
+        let builder = http_builder();
         let graceful = GracefulShutdown::new();
         loop {
             tokio::select! {
@@ -168,18 +237,7 @@ fn worker<H, F>(
                             continue;
                         }
                     };
-                    let h = handler.clone();
-                    let svc = hyper::service::service_fn(move |req| {
-                        let fut = h(req, peer);
-                        async move { Ok::<_, Infallible>(fut.await) }
-                    });
-                    let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
-                    let conn = graceful.watch(conn.into_owned());
-                    tokio::spawn(async move {
-                        if let Err(e) = conn.await {
-                            tracing::debug!(error = %e, "connection ended with error");
-                        }
-                    });
+                    spawn_connection(&builder, &graceful, stream, peer, handler.clone());
                 }
                 _ = stopped(&mut shutdown) => break,
             }

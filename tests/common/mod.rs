@@ -24,13 +24,16 @@ pub const BIN: &str = env!("CARGO_BIN_EXE_idemproxy");
 pub struct ProxyProc {
     child: Child,
     pub addr: SocketAddr,
+    /// The admin listener, when the config has an `admin` block.
+    pub admin_addr: Option<SocketAddr>,
     pub config_path: PathBuf,
     stderr: Arc<Mutex<Vec<String>>>,
 }
 
 impl ProxyProc {
     /// Write `yaml` to `dir/idemproxy.yaml` and start `idemproxy serve` on it. The YAML
-    /// should use `listen: 127.0.0.1:0`; the bound address is read from stdout.
+    /// should use `listen: 127.0.0.1:0` (and `admin.listen: 127.0.0.1:0`); the bound
+    /// addresses are read from stdout.
     pub fn start(dir: &Path, yaml: &str) -> ProxyProc {
         Self::start_with_env(dir, yaml, &[])
     }
@@ -61,14 +64,19 @@ impl ProxyProc {
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             let mut lines = BufReader::new(out).lines();
+            let mut admin: Option<SocketAddr> = None;
             while let Some(Ok(line)) = lines.next() {
-                if let Some(addr) = line.strip_prefix("idemproxy listening on ") {
-                    let _ = tx.send(addr.trim().to_string());
+                // The admin line is printed before the proxy line.
+                if let Some(addr) = line.strip_prefix("idemproxy admin listening on ") {
+                    admin = Some(addr.trim().parse().expect("printed admin address parses"));
+                } else if let Some(addr) = line.strip_prefix("idemproxy listening on ") {
+                    let addr: SocketAddr = addr.trim().parse().expect("printed address parses");
+                    let _ = tx.send((addr, admin));
                 }
             }
         });
-        let addr = match rx.recv_timeout(Duration::from_secs(20)) {
-            Ok(a) => a.parse().expect("printed address parses"),
+        let (addr, admin_addr) = match rx.recv_timeout(Duration::from_secs(20)) {
+            Ok(a) => a,
             Err(_) => {
                 let _ = child.kill();
                 panic!(
@@ -80,6 +88,7 @@ impl ProxyProc {
         ProxyProc {
             child,
             addr,
+            admin_addr,
             config_path,
             stderr,
         }
@@ -87,6 +96,14 @@ impl ProxyProc {
 
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{}", self.addr, path)
+    }
+
+    /// A URL on the admin listener (panics when the config has no `admin` block).
+    pub fn admin_url(&self, path: &str) -> String {
+        let addr = self
+            .admin_addr
+            .expect("this proxy was started without an admin block");
+        format!("http://{addr}{path}")
     }
 
     pub fn pid(&self) -> u32 {
@@ -294,4 +311,46 @@ pub async fn wait_for_hit(ds: &fake_downstream::FakeDownstream, path: &str) {
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+}
+
+/// The admin token tests start the proxy with (in the variable [`ADMIN_TOKEN_ENV`]).
+pub const ADMIN_TOKEN: &str = "admin-token-for-tests-0123456789";
+pub const ADMIN_TOKEN_ENV: &str = "IDEMPROXY_TEST_ADMIN_TOKEN";
+
+/// A config with an admin listener: `mail` (plain and drop-after-commit sends), `pay`
+/// (approval required, preview `/amount` and `/to`) and `quickpay` (approval expiring
+/// after 300 ms), all on the fake downstream.
+pub fn admin_config(dir: &Path, downstream: &str) -> String {
+    format!(
+        r#"listen: 127.0.0.1:0
+admin: {{ listen: 127.0.0.1:0, token_env: {ADMIN_TOKEN_ENV} }}
+store: {{ backend: redb, path: {dir}/store.redb, retention: 1h }}
+identity:
+  key_header: Idempotency-Key
+  derive_from: [X-Operation-Id, X-Model-Round, X-Tool-Call-Id]
+  tenant_from: [Authorization]
+upstreams:
+  - name: mail
+    url: {downstream}
+    mount: /mail
+    routes:
+      - {{ name: send_email, match: {{ method: POST, path: /send }} }}
+      - {{ name: drop, match: {{ method: POST, path: /drop-after-commit/send }} }}
+  - name: pay
+    url: {downstream}
+    mount: /pay
+    routes:
+      - name: transfer
+        match: {{ method: POST, path: /send }}
+        approval: {{ required: true, preview: [/amount, /to] }}
+  - name: quickpay
+    url: {downstream}
+    mount: /quickpay
+    routes:
+      - name: transfer
+        match: {{ method: POST, path: /send }}
+        approval: {{ required: true, preview: [/amount], expires: 300ms }}
+"#,
+        dir = dir.display()
+    )
 }

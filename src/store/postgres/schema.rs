@@ -12,9 +12,10 @@ const MAX_IDENTIFIER_BYTES: usize = 63;
 
 /// Ordered, append-only: a released step is never edited, only followed by a new one.
 /// `{schema}` is replaced by the quoted schema name.
-const MIGRATIONS: &[(i32, &str)] = &[(
-    1,
-    r#"
+const MIGRATIONS: &[(i32, &str)] = &[
+    (
+        1,
+        r#"
     CREATE TABLE {schema}.records (
         id                  text    PRIMARY KEY,
         version             bigint  NOT NULL CHECK (version > 0),
@@ -31,7 +32,24 @@ const MIGRATIONS: &[(i32, &str)] = &[(
     CREATE INDEX records_expires_idx ON {schema}.records (expires_at_ms);
     CREATE INDEX records_operation_idx ON {schema}.records (operation_id, id);
     "#,
-)];
+    ),
+    (
+        2,
+        r#"
+    -- Marks of cancelled parent operations (SPEC section 8); see store::operation.
+    CREATE TABLE {schema}.operations (
+        id              text    PRIMARY KEY,
+        state           text    NOT NULL
+                        CHECK (state IN ('cancelled', 'cancelled_after_side_effect')),
+        cancelled_by    text    NOT NULL,
+        cancelled_at_ms bigint  NOT NULL,
+        updated_at_ms   bigint  NOT NULL,
+        expires_at_ms   bigint  NOT NULL
+    );
+    CREATE INDEX operations_expires_idx ON {schema}.operations (expires_at_ms);
+    "#,
+    ),
+];
 
 /// The newest schema version this build knows.
 pub(super) fn latest_version() -> i32 {

@@ -1,6 +1,7 @@
 //! On-disk layout of the redb store: the records table and the three indexes that must
-//! change with it, plus the read queries and per-command write steps built on them. The
-//! writer thread and the read path both go through here, so index upkeep lives in one place.
+//! change with it, the operation marks, plus the read queries and per-command write steps
+//! built on them. The writer thread and the read path both go through here, so index upkeep
+//! lives in one place.
 
 use std::fmt;
 use std::ops::Bound;
@@ -10,7 +11,7 @@ use ::redb::{
     WriteTransaction,
 };
 
-use crate::store::{Claim, ListFilter, Record, StoreError, StoreResult};
+use crate::store::{Claim, ListFilter, OperationMark, Record, StoreError, StoreResult};
 
 /// Execution id → [`Record::to_bytes`].
 const RECORDS: TableDefinition<&str, &[u8]> = TableDefinition::new("records");
@@ -20,6 +21,9 @@ const BY_STATUS: TableDefinition<(u8, &str), ()> = TableDefinition::new("by_stat
 const BY_EXPIRY: TableDefinition<(i64, &str), ()> = TableDefinition::new("by_expiry");
 /// (operation id, execution id): `ListFilter.operation` (cancelling an operation).
 const BY_OPERATION: TableDefinition<(&str, &str), ()> = TableDefinition::new("by_operation");
+/// Operation id → [`OperationMark::to_bytes`]. Marks are few (one per cancellation), so gc
+/// walks the table instead of keeping an expiry index for it.
+const OPERATIONS: TableDefinition<&str, &[u8]> = TableDefinition::new("operations");
 
 /// `State::Executing.code()`, as a constant for index keys (checked by a test below).
 const EXECUTING: u8 = 3;
@@ -72,6 +76,16 @@ fn ids_in_state<'t, T: ReadableTable<(u8, &'static str), ()>>(
         let (key, _) = entry.map_err(storage)?;
         Ok(key.value().1.to_string())
     }))
+}
+
+fn load_mark<T: ReadableTable<&'static str, &'static [u8]>>(
+    operations: &T,
+    operation_id: &str,
+) -> StoreResult<Option<OperationMark>> {
+    match operations.get(operation_id).map_err(storage)? {
+        Some(bytes) => OperationMark::from_bytes(operation_id, bytes.value()).map(Some),
+        None => Ok(None),
+    }
 }
 
 fn lease_stale(record: &Record, now_ms: i64) -> bool {
@@ -179,6 +193,11 @@ impl Snapshot {
         Ok((count, bytes.checked_div(n).unwrap_or(0)))
     }
 
+    pub(super) fn operation(&self, operation_id: &str) -> StoreResult<Option<OperationMark>> {
+        let operations = self.txn.open_table(OPERATIONS).map_err(storage)?;
+        load_mark(&operations, operation_id)
+    }
+
     pub(super) fn stale_executing(&self, now_ms: i64, limit: usize) -> StoreResult<Vec<Record>> {
         let mut out = Vec::new();
         if limit == 0 {
@@ -200,7 +219,7 @@ impl Snapshot {
     }
 }
 
-/// The four tables opened inside one write transaction. Every method either fails with
+/// The five tables opened inside one write transaction. Every method either fails with
 /// [`StoreError::Backend`] (redb failed: the caller aborts the batch) or checks everything
 /// before its first write, so a logical refusal (Conflict, NotFound, Corrupt) writes nothing
 /// and the rest of the batch goes on.
@@ -209,6 +228,7 @@ pub(super) struct WriteTables<'t> {
     by_status: Table<'t, (u8, &'static str), ()>,
     by_expiry: Table<'t, (i64, &'static str), ()>,
     by_operation: Table<'t, (&'static str, &'static str), ()>,
+    operations: Table<'t, &'static str, &'static [u8]>,
 }
 
 impl<'t> WriteTables<'t> {
@@ -218,6 +238,7 @@ impl<'t> WriteTables<'t> {
             by_status: txn.open_table(BY_STATUS).map_err(storage)?,
             by_expiry: txn.open_table(BY_EXPIRY).map_err(storage)?,
             by_operation: txn.open_table(BY_OPERATION).map_err(storage)?,
+            operations: txn.open_table(OPERATIONS).map_err(storage)?,
         })
     }
 
@@ -324,7 +345,33 @@ impl<'t> WriteTables<'t> {
         for record in &doomed {
             self.delete(record)?;
         }
-        Ok(doomed.len() as u64)
+        let mut marks = Vec::new();
+        for entry in self.operations.iter().map_err(storage)? {
+            if marks.len() >= limit {
+                break;
+            }
+            let (key, bytes) = entry.map_err(storage)?;
+            match OperationMark::from_bytes(key.value(), bytes.value()) {
+                Ok(mark) if mark.expires_at_ms <= now_ms => marks.push(mark.operation_id),
+                Ok(_) => {}
+                Err(e) => tracing::warn!(error = %e, "gc skips an unreadable operation mark"),
+            }
+        }
+        for op in &marks {
+            self.operations.remove(op.as_str()).map_err(storage)?;
+        }
+        Ok((doomed.len() + marks.len()) as u64)
+    }
+
+    pub(super) fn mark_operation(&mut self, mark: OperationMark) -> StoreResult<OperationMark> {
+        let merged = match load_mark(&self.operations, &mark.operation_id)? {
+            Some(stored) => stored.merge(mark),
+            None => mark,
+        };
+        self.operations
+            .insert(merged.operation_id.as_str(), merged.to_bytes().as_slice())
+            .map_err(storage)?;
+        Ok(merged)
     }
 
     /// Writes `new` and moves its index entries from where `old` had them.

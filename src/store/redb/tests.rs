@@ -603,3 +603,68 @@ fn a_killed_process_loses_no_acked_write() {
         "indexes match records"
     );
 }
+
+fn mark(op: &str, state: crate::store::OperationState, at: i64, expires: i64) -> OperationMark {
+    OperationMark {
+        operation_id: op.into(),
+        state,
+        by: format!("by_{at}"),
+        cancelled_at_ms: at,
+        updated_at_ms: at,
+        expires_at_ms: expires,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operation_marks_merge_forward_survive_reopen_and_expire() {
+    use crate::store::OperationState::{Cancelled, CancelledAfterSideEffect};
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("store.redb");
+    let store = RedbStore::open(&path).expect("opens");
+    assert_eq!(store.operation("op_a").await.expect("read"), None);
+
+    let first = store
+        .mark_operation(mark("op_a", CancelledAfterSideEffect, 10, 100))
+        .await
+        .expect("mark");
+    assert_eq!(first, mark("op_a", CancelledAfterSideEffect, 10, 100));
+    // A later, weaker mark cannot move it back or rename who cancelled first.
+    let merged = store
+        .mark_operation(mark("op_a", Cancelled, 20, 50))
+        .await
+        .expect("mark");
+    assert_eq!(merged.state, CancelledAfterSideEffect);
+    assert_eq!((merged.by.as_str(), merged.cancelled_at_ms), ("by_10", 10));
+    assert_eq!((merged.updated_at_ms, merged.expires_at_ms), (20, 100));
+    store
+        .mark_operation(mark("op_b", Cancelled, 5, 30))
+        .await
+        .expect("mark");
+    // Marks are not records: listings and record tables do not see them.
+    assert_eq!(tables::table_sizes(&store.shared.db), [0, 0, 0, 0]);
+    drop(store);
+
+    let store = RedbStore::open(&path).expect("reopens");
+    assert_eq!(store.operation("op_a").await.expect("read"), Some(merged));
+    let up = store
+        .mark_operation(mark("op_b", CancelledAfterSideEffect, 40, 30))
+        .await
+        .expect("mark");
+    assert_eq!(
+        (up.state, up.by.as_str()),
+        (CancelledAfterSideEffect, "by_5")
+    );
+
+    // gc: op_b expired at 30, op_a lives until 100; the limit is honoured.
+    insert(&store, record("ex_old", None, 5)).await;
+    assert_eq!(
+        store.gc(30, 1).await.expect("gc"),
+        2,
+        "one record + one mark"
+    );
+    assert_eq!(store.operation("op_b").await.expect("read"), None);
+    assert!(store.operation("op_a").await.expect("read").is_some());
+    assert_eq!(store.gc(99, 10).await.expect("gc"), 0);
+    assert_eq!(store.gc(100, 10).await.expect("gc"), 1);
+    assert_eq!(store.operation("op_a").await.expect("read"), None);
+}

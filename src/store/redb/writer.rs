@@ -12,7 +12,7 @@ use tokio::sync::oneshot;
 
 use super::tables::WriteTables;
 use super::Shared;
-use crate::store::{Claim, Record, StoreError, StoreResult};
+use crate::store::{Claim, OperationMark, Record, StoreError, StoreResult};
 
 /// Commands per write transaction. Large enough that a burst shares one fsync; small
 /// enough that one batch's transaction (and the wait of its first caller) stays short.
@@ -40,6 +40,10 @@ pub(super) enum Command {
         limit: usize,
         reply: Reply<u64>,
     },
+    MarkOperation {
+        mark: OperationMark,
+        reply: Reply<OperationMark>,
+    },
 }
 
 impl Command {
@@ -48,6 +52,7 @@ impl Command {
             Command::Claim { reply, .. } => refuse(reply, reason),
             Command::Update { reply, .. } => refuse(reply, reason),
             Command::RenewLeases { reply, .. } | Command::Gc { reply, .. } => refuse(reply, reason),
+            Command::MarkOperation { reply, .. } => refuse(reply, reason),
         }
     }
 }
@@ -73,6 +78,7 @@ enum Applied {
     Claim(Answer<Claim>),
     Record(Answer<Record>),
     Count(Answer<u64>),
+    Mark(Answer<OperationMark>),
 }
 
 impl Applied {
@@ -81,6 +87,7 @@ impl Applied {
             Applied::Claim(a) => a.send(),
             Applied::Record(a) => a.send(),
             Applied::Count(a) => a.send(),
+            Applied::Mark(a) => a.send(),
         }
     }
 
@@ -89,6 +96,7 @@ impl Applied {
             Applied::Claim(a) => refuse(a.reply, reason),
             Applied::Record(a) => refuse(a.reply, reason),
             Applied::Count(a) => refuse(a.reply, reason),
+            Applied::Mark(a) => refuse(a.reply, reason),
         }
     }
 }
@@ -232,6 +240,10 @@ fn apply(t: &mut WriteTables<'_>, command: Command, fatal: &mut Option<String>) 
         } => Applied::Count(Answer {
             reply,
             result: guarded(fatal, || t.gc(now_ms, limit)),
+        }),
+        Command::MarkOperation { mark, reply } => Applied::Mark(Answer {
+            reply,
+            result: guarded(fatal, || t.mark_operation(mark)),
         }),
     }
 }

@@ -1,0 +1,456 @@
+//! The admin HTTP surface (SPEC section 10): routing, authentication, JSON in and out.
+//! Decisions themselves live in [`super::actions`]; views in [`super::view`]; every
+//! refusal is an [`AdminError`], turned into problem+json in one place.
+
+use std::str::FromStr;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::{header, HeaderValue, Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use super::actions::{self, ResultSpec};
+use super::error::AdminError;
+use super::{console, view, Admin};
+use crate::policy::identity::ExecutionId;
+use crate::policy::state::State;
+use crate::store::{ListFilter, Record};
+use crate::wire::body::{full, ProxyBody};
+
+/// Largest JSON body an admin call accepts (a resolve result is the only big one).
+const MAX_BODY_BYTES: usize = 1024 * 1024;
+const DEFAULT_PAGE: usize = 50;
+const MAX_PAGE: usize = 500;
+/// Records shown with an operation.
+const OPERATION_RECORDS: usize = 500;
+/// Longest operator name accepted in `by`.
+const MAX_BY_CHARS: usize = 128;
+/// The name decisions are recorded under when the caller gives none.
+const DEFAULT_BY: &str = "admin-api";
+
+/// What a request asks for, once its path is understood.
+enum Endpoint {
+    Console(&'static str),
+    Healthz,
+    Metrics,
+    List,
+    Show(ExecutionId),
+    Approve(ExecutionId),
+    Reject(ExecutionId),
+    Resolve(ExecutionId),
+    Operation(String),
+    Cancel(String),
+}
+
+impl Endpoint {
+    /// Static console files and the health probe carry no data: they are served without
+    /// the token (a browser cannot send a bearer header when it navigates to `/`).
+    fn is_public(&self) -> bool {
+        matches!(self, Endpoint::Console(_) | Endpoint::Healthz)
+    }
+}
+
+/// Entry point for every request on the admin listener.
+pub async fn handle(admin: Arc<Admin>, req: Request<Incoming>) -> Response<ProxyBody> {
+    let method = req.method().clone();
+    let path = req.uri().path().to_string();
+    let routed = route(&method, &path);
+    let public = matches!(&routed, Ok(e) if e.is_public());
+    // Unknown paths ask for the token too: without it nothing about the API is told.
+    let outcome = if !public && !admin.token.admits(req.headers()) {
+        Err(AdminError::Unauthorized)
+    } else {
+        match routed {
+            Ok(endpoint) => dispatch(&admin, endpoint, req).await,
+            Err(e) => Err(e),
+        }
+    };
+    let mut resp = outcome.unwrap_or_else(|e| e.into_problem().into_response());
+    tracing::debug!(method = %method, path = %path, status = resp.status().as_u16(), "admin request");
+    let h = resp.headers_mut();
+    h.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    h.entry(header::CACHE_CONTROL)
+        .or_insert(HeaderValue::from_static("no-store"));
+    resp
+}
+
+/// Map method and path to an endpoint: 404 for an unknown path, 405 for a known path
+/// with the wrong method.
+fn route(method: &Method, path: &str) -> Result<Endpoint, AdminError> {
+    let segments = path
+        .strip_prefix('/')
+        .unwrap_or(path)
+        .split('/')
+        .map(decode_segment)
+        .collect::<Result<Vec<String>, AdminError>>()?;
+    let parts: Vec<&str> = segments.iter().map(String::as_str).collect();
+    let id = |s: &str| ExecutionId(s.to_string());
+    let (allow, endpoint) = match parts.as_slice() {
+        [""] => ("GET", Endpoint::Console("index.html")),
+        ["console.js"] => ("GET", Endpoint::Console("console.js")),
+        ["console.css"] => ("GET", Endpoint::Console("console.css")),
+        ["healthz"] => ("GET", Endpoint::Healthz),
+        ["metrics"] => ("GET", Endpoint::Metrics),
+        ["v1", "executions"] => ("GET", Endpoint::List),
+        ["v1", "executions", e] if !e.is_empty() => ("GET", Endpoint::Show(id(e))),
+        ["v1", "executions", e, "approve"] if !e.is_empty() => ("POST", Endpoint::Approve(id(e))),
+        ["v1", "executions", e, "reject"] if !e.is_empty() => ("POST", Endpoint::Reject(id(e))),
+        ["v1", "executions", e, "resolve"] if !e.is_empty() => ("POST", Endpoint::Resolve(id(e))),
+        ["v1", "operations", op] if !op.is_empty() => ("GET", Endpoint::Operation(op.to_string())),
+        ["v1", "operations", op, "cancel"] if !op.is_empty() => {
+            ("POST", Endpoint::Cancel(op.to_string()))
+        }
+        _ => return Err(AdminError::NoEndpoint(path.to_string())),
+    };
+    if method.as_str() != allow {
+        return Err(AdminError::MethodNotAllowed {
+            path: path.to_string(),
+            allow,
+        });
+    }
+    Ok(endpoint)
+}
+
+fn decode_segment(s: &str) -> Result<String, AdminError> {
+    percent_encoding::percent_decode_str(s)
+        .decode_utf8()
+        .map(|c| c.into_owned())
+        .map_err(|_| AdminError::BadRequest("the path is not valid percent-encoded UTF-8".into()))
+}
+
+async fn dispatch(
+    admin: &Admin,
+    endpoint: Endpoint,
+    req: Request<Incoming>,
+) -> Result<Response<ProxyBody>, AdminError> {
+    let store = admin.proxy.store.as_ref();
+    match endpoint {
+        Endpoint::Console(file) => Ok(console::serve(file)),
+        Endpoint::Healthz => healthz(admin).await,
+        Endpoint::Metrics => {
+            let mut resp = Response::new(full(admin.proxy.metrics.encode()));
+            resp.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static(
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                ),
+            );
+            Ok(resp)
+        }
+        Endpoint::List => {
+            let filter = list_filter(req.uri().query())?;
+            let limit = filter.limit;
+            // One more than asked tells whether another page follows.
+            let mut records = store
+                .list(&ListFilter {
+                    limit: limit + 1,
+                    ..filter
+                })
+                .await?;
+            let more = records.len() > limit;
+            records.truncate(limit);
+            let next = if more {
+                records.last().map(|r| r.id.as_str())
+            } else {
+                None
+            };
+            Ok(json(
+                StatusCode::OK,
+                &view::Page {
+                    items: records.iter().map(view::Summary::of).collect(),
+                    next,
+                },
+            ))
+        }
+        Endpoint::Show(id) => match store.get(&id).await? {
+            Some(r) => Ok(json(StatusCode::OK, &view::Detail::of(&r))),
+            None => Err(actions::ActionError::NotFound(id).into()),
+        },
+        Endpoint::Approve(id) => {
+            let body: ApproveBody = required(read_json(req).await?)?;
+            let by = by(body.by)?;
+            let rt = admin.proxy.runtime();
+            let ttl = |r: &Record| approval_ttl(&rt.config, r);
+            let r = actions::approve(store, &id, &body.args_hash, &by, ttl).await?;
+            Ok(json(StatusCode::OK, &view::Detail::of(&r)))
+        }
+        Endpoint::Reject(id) => {
+            let body: RejectBody = read_json(req).await?.unwrap_or_default();
+            let by = by(body.by)?;
+            let reason = body
+                .reason
+                .map(|r| operator_text("reason", r, 500))
+                .transpose()?;
+            let r = actions::reject(store, &id, &by, reason.as_deref()).await?;
+            Ok(json(StatusCode::OK, &view::Detail::of(&r)))
+        }
+        Endpoint::Resolve(id) => {
+            let body: ResolveBody = required(read_json(req).await?)?;
+            let by = by(body.by)?;
+            let committed = match body.outcome {
+                Outcome::Committed => true,
+                Outcome::NotCommitted => false,
+            };
+            let result = match body.result {
+                Some(_) if !committed => {
+                    return Err(AdminError::BadRequest(
+                        "`result` is only stored when resolving as committed".into(),
+                    ))
+                }
+                Some(spec) => Some(spec.into_stored().map_err(AdminError::BadRequest)?),
+                None => None,
+            };
+            let r = actions::resolve(store, &id, committed, result, &by).await?;
+            Ok(json(StatusCode::OK, &view::Detail::of(&r)))
+        }
+        Endpoint::Operation(op) => {
+            let status = actions::operation_status(store, &op, OPERATION_RECORDS).await?;
+            Ok(json(StatusCode::OK, &view::Operation::of(&op, &status)))
+        }
+        Endpoint::Cancel(op) => {
+            let body: CancelBody = read_json(req).await?.unwrap_or_default();
+            let by = by(body.by)?;
+            let retention = mark_retention(&admin.proxy.runtime().config);
+            let report = actions::cancel(store, &op, &by, retention).await?;
+            Ok(json(StatusCode::OK, &view::Cancelled::of(&op, &report)))
+        }
+    }
+}
+
+async fn healthz(admin: &Admin) -> Result<Response<ProxyBody>, AdminError> {
+    // A point read proves the store answers; the id never exists.
+    admin
+        .proxy
+        .store
+        .get(&ExecutionId("healthz-probe".into()))
+        .await?;
+    Ok(json(StatusCode::OK, &serde_json::json!({ "status": "ok" })))
+}
+
+/// The route's `approval.expires` for a record, from the running config. A route that was
+/// removed since has no expiry to apply.
+fn approval_ttl(cfg: &crate::config::Config, r: &Record) -> Option<std::time::Duration> {
+    cfg.upstreams
+        .iter()
+        .find(|u| u.name == r.upstream)?
+        .routes
+        .iter()
+        .find(|route| route.name == r.route)?
+        .approval
+        .as_ref()?
+        .expires
+}
+
+/// An operation mark is kept as long as the longest retention of any record it covers.
+fn mark_retention(cfg: &crate::config::Config) -> std::time::Duration {
+    cfg.upstreams
+        .iter()
+        .flat_map(|u| u.routes.iter().map(|r| r.retention))
+        .fold(cfg.store.retention, std::cmp::max)
+}
+
+fn list_filter(query: Option<&str>) -> Result<ListFilter, AdminError> {
+    let mut filter = ListFilter {
+        limit: DEFAULT_PAGE,
+        ..ListFilter::default()
+    };
+    for (k, v) in form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
+        match k.as_ref() {
+            "status" => filter.status = Some(State::from_str(&v).map_err(AdminError::BadRequest)?),
+            "limit" => {
+                filter.limit = v
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|n| (1..=MAX_PAGE).contains(n))
+                    .ok_or_else(|| {
+                        AdminError::BadRequest(format!("limit must be 1..={MAX_PAGE}"))
+                    })?
+            }
+            "after" => filter.after = Some(ExecutionId(v.into_owned())),
+            "operation" => filter.operation = Some(v.into_owned()),
+            other => {
+                return Err(AdminError::BadRequest(format!(
+                    "unknown query parameter `{other}` (expected status, limit, after, operation)"
+                )))
+            }
+        }
+    }
+    Ok(filter)
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ApproveBody {
+    /// The args_hash the approver reviewed (from the 428 problem or the listing).
+    args_hash: String,
+    by: Option<String>,
+}
+
+#[derive(Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RejectBody {
+    by: Option<String>,
+    reason: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum Outcome {
+    Committed,
+    NotCommitted,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ResolveBody {
+    #[serde(rename = "as")]
+    outcome: Outcome,
+    result: Option<ResultSpec>,
+    by: Option<String>,
+}
+
+#[derive(Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CancelBody {
+    by: Option<String>,
+}
+
+fn by(given: Option<String>) -> Result<String, AdminError> {
+    match given {
+        None => Ok(DEFAULT_BY.to_string()),
+        Some(s) => operator_text("by", s, MAX_BY_CHARS),
+    }
+}
+
+/// Operator-typed text that ends up in records and log lines: bounded, one line.
+fn operator_text(field: &str, s: String, max: usize) -> Result<String, AdminError> {
+    let s = s.trim().to_string();
+    if s.is_empty() || s.chars().count() > max || s.chars().any(char::is_control) {
+        return Err(AdminError::BadRequest(format!(
+            "`{field}` must be 1..={max} characters without control characters"
+        )));
+    }
+    Ok(s)
+}
+
+/// Read a JSON body of type `T`; `None` when the body is empty.
+async fn read_json<T: DeserializeOwned>(req: Request<Incoming>) -> Result<Option<T>, AdminError> {
+    let bytes = read_body(req).await?;
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return Ok(None);
+    }
+    serde_json::from_slice(&bytes)
+        .map(Some)
+        .map_err(|e| AdminError::BadRequest(format!("the body is not the expected JSON: {e}")))
+}
+
+fn required<T>(body: Option<T>) -> Result<T, AdminError> {
+    body.ok_or_else(|| AdminError::BadRequest("this call needs a JSON body".into()))
+}
+
+async fn read_body(req: Request<Incoming>) -> Result<Bytes, AdminError> {
+    match Limited::new(req.into_body(), MAX_BODY_BYTES)
+        .collect()
+        .await
+    {
+        Ok(c) => Ok(c.to_bytes()),
+        Err(e)
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some() =>
+        {
+            Err(AdminError::BodyTooLarge(MAX_BODY_BYTES))
+        }
+        Err(e) => Err(AdminError::BadRequest(format!(
+            "could not read the request body: {e}"
+        ))),
+    }
+}
+
+fn json<T: Serialize>(status: StatusCode, value: &T) -> Response<ProxyBody> {
+    let bytes = serde_json::to_vec(value).expect("admin views are plain data and serialize");
+    let mut resp = Response::new(full(bytes));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn routed(method: Method, path: &str) -> Result<Endpoint, AdminError> {
+        route(&method, path)
+    }
+
+    #[test]
+    fn routes_decode_segments_and_refuse_wrong_methods() {
+        assert!(matches!(
+            routed(Method::GET, "/"),
+            Ok(Endpoint::Console("index.html"))
+        ));
+        assert!(matches!(
+            routed(Method::GET, "/v1/executions/ex_1"),
+            Ok(Endpoint::Show(id)) if id.as_str() == "ex_1"
+        ));
+        assert!(matches!(
+            routed(Method::POST, "/v1/operations/op%2F77%20x/cancel"),
+            Ok(Endpoint::Cancel(op)) if op == "op/77 x"
+        ));
+        assert!(matches!(
+            routed(Method::GET, "/v1/executions/ex_1/approve"),
+            Err(AdminError::MethodNotAllowed { allow: "POST", .. })
+        ));
+        for missing in [
+            "/v1/executions/",
+            "/v1/executions//approve",
+            "/v2/x",
+            "/console.jsx",
+        ] {
+            assert!(
+                matches!(routed(Method::GET, missing), Err(AdminError::NoEndpoint(_))),
+                "{missing}"
+            );
+        }
+        assert!(matches!(
+            routed(Method::GET, "/v1/executions/%ff"),
+            Err(AdminError::BadRequest(_))
+        ));
+        assert!(routed(Method::GET, "/healthz").is_ok_and(|e| e.is_public()));
+        assert!(routed(Method::GET, "/metrics").is_ok_and(|e| !e.is_public()));
+    }
+
+    #[test]
+    fn list_filters_are_validated() {
+        let f = list_filter(Some(
+            "status=outcome_unknown&limit=7&after=ex_3&operation=op%201",
+        ))
+        .expect("valid");
+        assert_eq!(f.status, Some(State::OutcomeUnknown));
+        assert_eq!(f.limit, 7);
+        assert_eq!(f.after.as_ref().map(|a| a.as_str()), Some("ex_3"));
+        assert_eq!(f.operation.as_deref(), Some("op 1"));
+        assert_eq!(list_filter(None).expect("defaults").limit, DEFAULT_PAGE);
+        for bad in ["status=done", "limit=0", "limit=501", "limit=x", "sort=id"] {
+            assert!(list_filter(Some(bad)).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn operator_text_is_bounded_and_one_line() {
+        assert_eq!(by(None).expect("default"), DEFAULT_BY);
+        assert_eq!(by(Some("  alice ".into())).expect("trimmed"), "alice");
+        for bad in ["", "   ", "a\nb", "a\u{7}"] {
+            assert!(by(Some(bad.into())).is_err(), "{bad:?}");
+        }
+        assert!(by(Some("x".repeat(MAX_BY_CHARS + 1))).is_err());
+    }
+}

@@ -1,0 +1,386 @@
+// idemproxy operator console. Plain browser JavaScript, no build step, no dependencies.
+// Every value that came from an agent (previews, paths, notes) is shown with textContent,
+// never parsed as HTML. The admin token lives in sessionStorage (this tab only).
+"use strict";
+
+const TOKEN_KEY = "idemproxy.admin.token";
+const NAME_KEY = "idemproxy.admin.operator";
+const REFRESH_MS = 5000;
+const PAGE = 50;
+
+const $ = (id) => document.getElementById(id);
+
+const state = {
+  limits: { approvals: PAGE, unknown: PAGE },
+  timer: null,
+  busy: false,
+};
+
+// ---- API ---------------------------------------------------------------------------
+
+class ApiError extends Error {
+  constructor(status, problem) {
+    super((problem && (problem.detail || problem.title)) || `HTTP ${status}`);
+    this.status = status;
+    this.problem = problem;
+  }
+}
+
+async function api(method, path, body) {
+  const headers = { Authorization: `Bearer ${sessionStorage.getItem(TOKEN_KEY) || ""}` };
+  const init = { method, headers, cache: "no-store" };
+  if (body !== undefined) {
+    headers["Content-Type"] = "application/json";
+    init.body = JSON.stringify(body);
+  }
+  const resp = await fetch(path, init);
+  const text = await resp.text();
+  let data = null;
+  if (text && (resp.headers.get("content-type") || "").includes("json")) {
+    try { data = JSON.parse(text); } catch (_) { data = null; }
+  }
+  if (resp.status === 401) {
+    signOut("The admin token was refused. Paste it again.");
+    throw new ApiError(401, data);
+  }
+  if (!resp.ok) throw new ApiError(resp.status, data);
+  return data === null ? text : data;
+}
+
+function operator() {
+  return sessionStorage.getItem(NAME_KEY) || "console";
+}
+
+// ---- small DOM helpers -------------------------------------------------------------
+
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (v === undefined || v === null || v === false) continue;
+    if (k === "class") node.className = v;
+    else if (k.startsWith("data-")) node.setAttribute(k, v);
+    else if (k === "onclick") node.addEventListener("click", v);
+    else node.setAttribute(k, v === true ? "" : String(v));
+  }
+  for (const c of children.flat()) {
+    if (c === undefined || c === null || c === false) continue;
+    node.append(c instanceof Node ? c : document.createTextNode(String(c)));
+  }
+  return node;
+}
+
+function ago(ms) {
+  if (!ms) return "";
+  const s = Math.max(0, Math.round((Date.now() - ms) / 1000));
+  if (s < 60) return `${s} s ago`;
+  if (s < 3600) return `${Math.round(s / 60)} min ago`;
+  if (s < 86400) return `${Math.round(s / 3600)} h ago`;
+  return new Date(ms).toLocaleString();
+}
+
+function when(ms) {
+  return el("time", { datetime: new Date(ms).toISOString(), title: new Date(ms).toLocaleString() }, ago(ms));
+}
+
+function show(value) {
+  if (value === null || value === undefined) return "—";
+  return typeof value === "string" ? value : JSON.stringify(value);
+}
+
+function say(text, kind) {
+  const box = $("message");
+  box.textContent = text;
+  box.className = kind || "ok";
+  box.hidden = false;
+  clearTimeout(say.timer);
+  say.timer = setTimeout(() => { box.hidden = true; }, 8000);
+}
+
+function failed(what, err) {
+  if (err instanceof ApiError && err.status === 401) return;
+  say(`${what} failed: ${err.message}`, "error");
+}
+
+// ---- record cards ------------------------------------------------------------------
+
+function previewList(preview) {
+  if (!preview || typeof preview !== "object" || Object.keys(preview).length === 0) {
+    return el("p", { class: "muted" }, "No preview configured for this route.");
+  }
+  const dl = el("dl", { class: "preview" });
+  for (const [pointer, value] of Object.entries(preview)) {
+    dl.append(el("dt", {}, pointer), el("dd", {}, show(value)));
+  }
+  return dl;
+}
+
+function facts(r) {
+  return el("p", { class: "facts" },
+    el("code", {}, `${r.method} ${r.path}`), " · ",
+    r.operation_id ? ["operation ", el("code", {}, r.operation_id), " · "] : null,
+    "created ", when(r.created_at_ms),
+    r.attempts ? ` · sent ${r.attempts}×` : null);
+}
+
+function idLine(r) {
+  return el("p", { class: "ids" },
+    "execution ", el("code", { class: "exec-id" }, r.execution_id),
+    " · args ", el("code", { title: r.args_hash }, r.args_hash.slice(0, 12) + "…"));
+}
+
+function approvalCard(r) {
+  const approve = el("button", {
+    type: "button", class: "primary", "data-action": "approve", "data-id": r.execution_id,
+    onclick: () => decide(approve, `Approved ${r.execution_id}`, () =>
+      api("POST", `/v1/executions/${encodeURIComponent(r.execution_id)}/approve`,
+        { args_hash: r.args_hash, by: operator() })),
+  }, "Approve");
+  const reject = el("button", {
+    type: "button", class: "danger", "data-action": "reject", "data-id": r.execution_id,
+    onclick: () => {
+      if (!confirm(`Reject ${r.route} (${r.execution_id})? It will never be sent.`)) return;
+      decide(reject, `Rejected ${r.execution_id}`, () =>
+        api("POST", `/v1/executions/${encodeURIComponent(r.execution_id)}/reject`, { by: operator() }));
+    },
+  }, "Reject");
+  return el("article", { class: "card", "data-id": r.execution_id },
+    el("h3", {}, `${r.upstream} / ${r.route}`),
+    facts(r), previewList(r.preview), idLine(r),
+    r.note ? el("p", { class: "note" }, r.note) : null,
+    el("div", { class: "actions" }, approve, reject));
+}
+
+function unknownCard(r) {
+  const resolve = (as, label) => {
+    const b = el("button", {
+      type: "button", class: as === "committed" ? "primary" : "", "data-action": `resolve-${as}`,
+      "data-id": r.execution_id,
+      onclick: () => {
+        const q = as === "committed"
+          ? `Mark ${r.execution_id} as committed? Retries will get a stored answer and nothing is sent again.`
+          : `Mark ${r.execution_id} as not committed? The next retry may send the call again.`;
+        if (!confirm(q)) return;
+        decide(b, `Resolved ${r.execution_id} as ${as.replace("_", " ")}`, () =>
+          api("POST", `/v1/executions/${encodeURIComponent(r.execution_id)}/resolve`, { as, by: operator() }));
+      },
+    }, label);
+    return b;
+  };
+  return el("article", { class: "card", "data-id": r.execution_id },
+    el("h3", {}, `${r.upstream} / ${r.route}`),
+    facts(r), r.preview ? previewList(r.preview) : null, idLine(r),
+    r.note ? el("p", { class: "note" }, r.note) : null,
+    el("div", { class: "actions" },
+      resolve("committed", "It happened: committed"),
+      resolve("not_committed", "It did not happen: not committed")));
+}
+
+async function decide(button, done, call) {
+  button.disabled = true;
+  try {
+    await call();
+    say(done, "ok");
+    await refresh();
+  } catch (err) {
+    failed("The decision", err);
+    button.disabled = false;
+    await refresh();
+  }
+}
+
+// ---- sections ----------------------------------------------------------------------
+
+async function loadList(status, key, card, empty) {
+  const page = await api("GET", `/v1/executions?status=${status}&limit=${state.limits[key]}`);
+  const list = $(`${key}-list`);
+  list.replaceChildren(...(page.items.length ? page.items.map(card) : [el("p", { class: "muted" }, empty)]));
+  $(`${key}-count`).textContent = page.items.length + (page.next ? "+" : "");
+  $(`${key}-more`).hidden = !page.next;
+}
+
+function parseMetrics(text) {
+  const rows = new Map();
+  const row = (l) => {
+    const k = `${l.upstream}/${l.route}`;
+    if (!rows.has(k)) {
+      rows.set(k, { upstream: l.upstream, route: l.route, attempts: 0, replays: 0, duplicates: 0,
+        unknown: 0, unprotected: 0, reconciled: {}, sum: 0, count: 0 });
+    }
+    return rows.get(k);
+  };
+  for (const line of text.split("\n")) {
+    const m = /^(idemproxy_[a-z_]+)\{([^}]*)\}\s+(\S+)/.exec(line);
+    if (!m) continue;
+    const labels = {};
+    for (const [, k, v] of m[2].matchAll(/(\w+)="((?:[^"\\]|\\.)*)"/g)) labels[k] = v;
+    if (labels.upstream === undefined || labels.route === undefined) continue;
+    const v = Number(m[3]);
+    const r = row(labels);
+    switch (m[1]) {
+      case "idemproxy_attempts_total": r.attempts += v; break;
+      case "idemproxy_replays_total": r.replays += v; break;
+      case "idemproxy_duplicates_prevented_total": r.duplicates += v; break;
+      case "idemproxy_outcome_unknown_total": r.unknown += v; break;
+      case "idemproxy_unprotected_total": r.unprotected += v; break;
+      case "idemproxy_reconciliations_total":
+        r.reconciled[labels.result] = (r.reconciled[labels.result] || 0) + v; break;
+      case "idemproxy_upstream_duration_seconds_sum": r.sum += v; break;
+      case "idemproxy_upstream_duration_seconds_count": r.count += v; break;
+      default: break;
+    }
+  }
+  return [...rows.values()].sort((a, b) => `${a.upstream}/${a.route}`.localeCompare(`${b.upstream}/${b.route}`));
+}
+
+async function loadMetrics() {
+  const rows = parseMetrics(await api("GET", "/metrics"));
+  const body = $("metrics-body");
+  if (!rows.length) {
+    body.replaceChildren(el("tr", {}, el("td", { colspan: 8, class: "muted" }, "No side-effect traffic yet.")));
+    return;
+  }
+  body.replaceChildren(...rows.map((r) => {
+    const rec = Object.entries(r.reconciled).map(([k, v]) => `${k}: ${v}`).join(", ") || "0";
+    const mean = r.count ? `${(1000 * r.sum / r.count).toFixed(1)} ms` : "—";
+    return el("tr", { "data-route": `${r.upstream}/${r.route}` },
+      el("th", {}, `${r.upstream} / ${r.route}`),
+      el("td", {}, r.attempts), el("td", {}, r.replays), el("td", {}, r.duplicates),
+      el("td", { class: r.unknown ? "warn" : "" }, r.unknown), el("td", {}, rec),
+      el("td", {}, r.unprotected), el("td", {}, mean));
+  }));
+}
+
+function detailView(r) {
+  const rows = [
+    ["State", el("strong", { class: `state ${r.state}` }, r.state.replaceAll("_", " "))],
+    ["Route", `${r.upstream} / ${r.route} (${r.tool_version})`],
+    ["Request", `${r.method} ${r.path}${r.query ? "?" + r.query : ""}`],
+    ["Operation", r.operation_id || "—"],
+    ["Arguments hash", el("code", {}, r.args_hash)],
+    ["Attempts sent", r.attempts],
+    ["Created", when(r.created_at_ms)],
+    ["Approval", r.approval ? `by ${r.approval.by}, ${ago(r.approval.at_ms)}${r.approval.expires_at_ms ? `, expires ${new Date(r.approval.expires_at_ms).toLocaleString()}` : ""}` : "—"],
+    ["Downstream id", r.external_id || "—"],
+    ["Stored answer", r.response ? `HTTP ${r.response.status}` : "—"],
+    ["Note", r.note || "—"],
+  ];
+  const dl = el("dl", { class: "detail" });
+  for (const [k, v] of rows) dl.append(el("dt", {}, k), el("dd", {}, v));
+  const history = el("table", { class: "history" },
+    el("thead", {}, el("tr", {}, el("th", {}, "When"), el("th", {}, "From"), el("th", {}, "Event"), el("th", {}, "To"), el("th", {}, "Note"))),
+    el("tbody", {}, r.history.map((h) => el("tr", {},
+      el("td", {}, when(h.at_ms)), el("td", {}, h.from), el("td", {}, h.event), el("td", {}, h.to), el("td", {}, h.note || "")))));
+  const card = el("article", { class: "card", "data-id": r.execution_id },
+    el("h3", {}, r.execution_id), dl,
+    r.preview ? [el("h4", {}, "Preview"), previewList(r.preview)] : null,
+    el("h4", {}, "History"), history);
+  if (r.state === "awaiting_approval") card.append(approvalCard(r).querySelector(".actions"));
+  if (r.state === "outcome_unknown") card.append(unknownCard(r).querySelector(".actions"));
+  return card;
+}
+
+async function search(id) {
+  const out = $("detail");
+  try {
+    const r = await api("GET", `/v1/executions/${encodeURIComponent(id)}`);
+    out.replaceChildren(detailView(r));
+  } catch (err) {
+    if (err instanceof ApiError && err.status === 404) {
+      out.replaceChildren(el("p", { class: "muted" }, `No execution ${id}.`));
+    } else {
+      failed("The search", err);
+    }
+  }
+}
+
+async function cancelOperation(op) {
+  if (!confirm(`Cancel operation ${op}? Calls not yet sent will never be sent.`)) return;
+  try {
+    const r = await api("POST", `/v1/operations/${encodeURIComponent(op)}/cancel`, { by: operator() });
+    const list = (label, ids) => ids.length ? el("li", {}, `${label}: `, ids.map((id) => el("code", {}, id + " "))) : null;
+    $("cancel-result").replaceChildren(el("div", { class: "card" },
+      el("p", {}, "Operation ", el("code", {}, op), " is now ", el("strong", {}, r.state.replaceAll("_", " ")), "."),
+      el("ul", {},
+        list("Cancelled before sending", r.cancelled),
+        list("Already committed (left as is)", r.committed),
+        list("Sent, outcome not known yet", r.in_doubt.map((x) => `${x.execution_id} (${x.state})`)),
+        r.cancelled.length + r.committed.length + r.in_doubt.length === 0
+          ? el("li", {}, "No pending calls; later calls of this operation will be refused.") : null)));
+    await refresh();
+  } catch (err) {
+    failed("Cancelling", err);
+  }
+}
+
+// ---- refresh, sign in / out --------------------------------------------------------
+
+async function refresh() {
+  if (state.busy || !sessionStorage.getItem(TOKEN_KEY)) return;
+  state.busy = true;
+  try {
+    await Promise.all([
+      loadList("awaiting_approval", "approvals", approvalCard, "Nothing is waiting for approval."),
+      loadList("outcome_unknown", "unknown", unknownCard, "No call has an unknown outcome."),
+      loadMetrics(),
+    ]);
+    $("updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
+  } catch (err) {
+    failed("Loading", err);
+  } finally {
+    state.busy = false;
+  }
+}
+
+function signedIn() {
+  $("login").hidden = true;
+  $("app").hidden = false;
+  $("session").hidden = false;
+  $("whoami").textContent = `signed in as ${operator()}`;
+  refresh();
+  clearInterval(state.timer);
+  state.timer = setInterval(refresh, REFRESH_MS);
+}
+
+function signOut(why) {
+  sessionStorage.removeItem(TOKEN_KEY);
+  clearInterval(state.timer);
+  $("app").hidden = true;
+  $("session").hidden = true;
+  $("login").hidden = false;
+  $("login-error").textContent = why || "";
+  $("token").value = "";
+  $("token").focus();
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  $("login-form").addEventListener("submit", async (ev) => {
+    ev.preventDefault();
+    sessionStorage.setItem(TOKEN_KEY, $("token").value.trim());
+    const name = $("operator").value.trim();
+    if (name) sessionStorage.setItem(NAME_KEY, name);
+    try {
+      await api("GET", "/v1/executions?limit=1");
+      $("login-error").textContent = "";
+      signedIn();
+    } catch (err) {
+      if (!(err instanceof ApiError && err.status === 401)) {
+        $("login-error").textContent = `Could not reach the admin API: ${err.message}`;
+      }
+    }
+  });
+  $("signout").addEventListener("click", () => signOut(""));
+  $("refresh").addEventListener("click", refresh);
+  $("search-form").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    search($("search-id").value.trim());
+  });
+  $("cancel-form").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    cancelOperation($("cancel-op").value.trim());
+  });
+  for (const key of ["approvals", "unknown"]) {
+    $(`${key}-more`).addEventListener("click", () => { state.limits[key] = Math.min(500, state.limits[key] + PAGE); refresh(); });
+  }
+  if (sessionStorage.getItem(TOKEN_KEY)) signedIn();
+  else signOut("");
+});

@@ -1,0 +1,91 @@
+// Drives the operator console in real headless Chromium (Debian's `chromium`), the way an
+// operator would: sign in with the token, find the pending call, check its preview, click
+// Approve, look the execution up. Run by tests/console.rs, which makes the pending call
+// and afterwards checks that its retry executes exactly once.
+//
+// Environment: ADMIN_URL, ADMIN_TOKEN, EXECUTION_ID, EXPECT_PREVIEW (text the card must
+// show), CHROMIUM (default /usr/bin/chromium), SCREENSHOT (optional PNG path).
+// Exits non-zero, with the reason, on any failure; a missing browser is a failure.
+import { existsSync, mkdtempSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { chromium } from "playwright-core";
+
+const need = (name) => {
+  const v = process.env[name];
+  if (!v) throw new Error(`${name} is not set`);
+  return v;
+};
+const adminUrl = need("ADMIN_URL");
+const token = need("ADMIN_TOKEN");
+const executionId = need("EXECUTION_ID");
+const expectPreview = process.env.EXPECT_PREVIEW || "";
+const executable = process.env.CHROMIUM || "/usr/bin/chromium";
+const screenshot = process.env.SCREENSHOT || "";
+
+if (!existsSync(executable)) {
+  console.error(`chromium not found at ${executable}: install it (apt-get install -y chromium)`);
+  process.exit(2);
+}
+
+const profile = mkdtempSync(join(tmpdir(), "idemproxy-console-"));
+const context = await chromium.launchPersistentContext(profile, {
+  executablePath: executable,
+  headless: true,
+  viewport: { width: 1280, height: 900 },
+  args: [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+  ],
+});
+const problems = [];
+try {
+  const page = context.pages()[0] || (await context.newPage());
+  page.on("pageerror", (e) => problems.push(`page error: ${e.message}`));
+  page.on("console", (m) => {
+    if (m.type() === "error") problems.push(`console error: ${m.text()}`);
+  });
+  page.on("dialog", (d) => d.accept());
+
+  await page.goto(`${adminUrl}/`);
+  // A wrong token is refused with a message and the sign-in form stays.
+  await page.fill("#token", `${token}-wrong`);
+  await page.click("#login-form button[type=submit]");
+  await page.waitForSelector("#login-error:has-text('refused')");
+  problems.length = 0; // the browser reports that refused call as a console error
+
+  await page.fill("#token", token);
+  await page.fill("#operator", "console-test");
+  await page.click("#login-form button[type=submit]");
+  const card = page.locator(`#approvals-list article[data-id="${executionId}"]`);
+  await card.waitFor({ timeout: 10_000 });
+  const text = await card.innerText();
+  if (expectPreview && !text.includes(expectPreview)) {
+    throw new Error(`the pending card does not show ${expectPreview}: ${text}`);
+  }
+  await page.waitForSelector("#metrics-body tr[data-route]");
+  await page.waitForSelector("#unknown-list article");
+  if (screenshot) await page.screenshot({ path: screenshot, fullPage: true });
+
+  await card.locator('button[data-action="approve"]').click();
+  await page.waitForSelector(`#message:has-text("Approved ${executionId}")`);
+  await card.waitFor({ state: "detached", timeout: 10_000 });
+
+  // Search by execution id shows it approved, by the name given at sign-in.
+  await page.fill("#search-id", executionId);
+  await page.click("#search-form button[type=submit]");
+  await page.waitForSelector(`#detail .state.approved`);
+  const detail = await page.locator("#detail").innerText();
+  if (!detail.includes("by console-test")) throw new Error(`approval author not shown: ${detail}`);
+
+  if (problems.length) throw new Error(problems.join("\n"));
+  console.log(`console test passed: approved ${executionId} by clicking`);
+} finally {
+  await context.close();
+  rmSync(profile, { recursive: true, force: true });
+}
