@@ -728,6 +728,16 @@ async fn an_unknown_outcome_is_resolved_through_the_api() {
     .await;
     assert_eq!(not.status, StatusCode::OK, "{not:?}");
     assert_eq!(not.json()["state"], "failed_before_commit");
+    // The replay's `result_delivered` mark is written after its body went out, by a task of
+    // its own: wait for it rather than race it (a loaded machine can run this test first).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = admin_get(&c, &proxy, &format!("/v1/executions/{}", ids[0])).await;
+        if r.json()["state"] == "result_delivered" || Instant::now() > deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     // A decided record cannot be decided again.
     let twice = admin_post(
         &c,

@@ -49,6 +49,7 @@ impl HttpClient {
 }
 
 /// A response body holding its request's in-flight slot.
+#[derive(Debug)]
 pub struct Held<B> {
     body: B,
     permit: Option<OwnedSemaphorePermit>,
