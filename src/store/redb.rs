@@ -21,7 +21,7 @@ use crate::policy::identity::ExecutionId;
 use crate::store::{Claim, ListFilter, OperationMark, Record, Store, StoreError, StoreResult};
 
 /// redb's page cache (see [`RedbStore::open`]).
-const CACHE_BYTES: usize = 16 << 20;
+const CACHE_BYTES: usize = 32 << 20;
 
 /// Counters that show group commit at work: `writes / commits` is the mean batch size.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -212,8 +212,17 @@ impl Drop for RedbStore {
 
 #[async_trait]
 impl Store for RedbStore {
-    async fn claim(&self, record: Record) -> StoreResult<Claim> {
-        self.submit(|reply| Command::Claim { record, reply }).await
+    /// The record is encoded here, on the caller's thread: the one writer applies batches
+    /// one after another, so encoding there lengthened every commit.
+    async fn claim(&self, mut record: Record) -> StoreResult<Claim> {
+        record.version = 1;
+        let bytes = record.to_bytes();
+        self.submit(|reply| Command::Claim {
+            record,
+            bytes,
+            reply,
+        })
+        .await
     }
 
     /// Runs on the caller's thread: a point read is one B-tree lookup in pages that are
@@ -224,8 +233,22 @@ impl Store for RedbStore {
         Snapshot::begin(&self.shared.db)?.get(id.as_str())
     }
 
-    async fn update(&self, record: Record) -> StoreResult<Record> {
-        self.submit(|reply| Command::Update { record, reply }).await
+    /// Encoded on the caller's thread too. A compare-and-set that succeeds always writes
+    /// the version after the one the caller read, so it can be encoded before the check.
+    async fn update(&self, mut record: Record) -> StoreResult<Record> {
+        let expected = record.version;
+        record.version = expected.checked_add(1).ok_or_else(|| StoreError::Corrupt {
+            id: record.id.to_string(),
+            reason: "version counter exhausted".into(),
+        })?;
+        let bytes = record.to_bytes();
+        self.submit(|reply| Command::Update {
+            record,
+            expected,
+            bytes,
+            reply,
+        })
+        .await
     }
 
     async fn list(&self, filter: &ListFilter) -> StoreResult<Vec<Record>> {

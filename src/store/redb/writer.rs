@@ -22,12 +22,17 @@ pub(super) type Reply<T> = oneshot::Sender<StoreResult<T>>;
 
 /// One write, with the channel its caller waits on.
 pub(super) enum Command {
+    /// `record` has version 1; `bytes` is its encoding.
     Claim {
         record: Record,
+        bytes: Vec<u8>,
         reply: Reply<Claim>,
     },
+    /// `record` has the version after `expected`; `bytes` is its encoding.
     Update {
         record: Record,
+        expected: u64,
+        bytes: Vec<u8>,
         reply: Reply<Record>,
     },
     RenewLeases {
@@ -217,13 +222,22 @@ fn reason(e: StoreError) -> String {
 
 fn apply(t: &mut WriteTables<'_>, command: Command, fatal: &mut Option<String>) -> Applied {
     match command {
-        Command::Claim { record, reply } => Applied::Claim(Answer {
+        Command::Claim {
+            record,
+            bytes,
             reply,
-            result: guarded(fatal, || t.claim(record)),
+        } => Applied::Claim(Answer {
+            reply,
+            result: guarded(fatal, || t.claim(record, &bytes)),
         }),
-        Command::Update { record, reply } => Applied::Record(Answer {
+        Command::Update {
+            record,
+            expected,
+            bytes,
             reply,
-            result: guarded(fatal, || t.update(record)),
+        } => Applied::Record(Answer {
+            reply,
+            result: guarded(fatal, || t.update(record, expected, &bytes)),
         }),
         Command::RenewLeases {
             owner,
