@@ -228,6 +228,13 @@ warm() {
 
 record() { echo "$1" >> "$RESULTS"; log "$1"; }
 
+# baseline RUN WHEN: one durable commit per state write, same store code, sequential, for
+# half a measurement (the proxy under test is idle meanwhile).
+baseline() {
+  local b; b=$("$STORE_TOOL" baseline --dir "$WORK/baseline" --seconds "$(( (DURATION + 1) / 2 ))")
+  record "$(python3 -c 'import json,sys; d=json.loads(sys.argv[1]); d.update(run=int(sys.argv[2]), when=sys.argv[3]); print(json.dumps(d))' "$b" "$1" "$2")"
+}
+
 machine() {
   python3 - <<EOF >> "$RESULTS"
 import json, os, platform, subprocess
@@ -267,16 +274,16 @@ one_run() {
   if want durable; then
     measure "$run" durable replay-post "$CONNS" "$P" "/api/send" POST pool 10000 r
     measure "$run" durable first-post-c$CONNS "$CONNS" "$P" "/api/send" POST unique 0 "a$run$RANDOM"
+    # The disk is shared too and its fsync latency moves from minute to minute: the
+    # one-commit-per-write baseline runs right before and right after the 64-client row,
+    # and the target compares with the mean of the two.
+    baseline "$run" before
     measure "$run" durable first-post-c$CONNS_FIRST "$CONNS_FIRST" "$P" "/api/send" POST unique 0 "b$run$RANDOM"
+    baseline "$run" after
   fi
   if want passthrough || want durable; then
     record "{\"kind\":\"rss\",\"run\":$run,\"name\":\"main\",\"vmhwm_kib\":$(vmhwm_kib "$MAIN_PID")}"
     stop_pid "$MAIN_PID"
-  fi
-  if want durable; then
-    log "run $run: one durable commit per write (sequential, same store code)"
-    local b; b=$("$STORE_TOOL" baseline --dir "$WORK/baseline" --seconds "$DURATION")
-    record "$(python3 -c 'import json,sys; d=json.loads(sys.argv[1]); d["run"]=int(sys.argv[2]); print(json.dumps(d))' "$b" "$run")"
   fi
 
   if want rss; then
@@ -319,21 +326,24 @@ one_run() {
     local cfg; cfg=$(write_config "churn-$run" 5s 1s)
     local db; db="$(dirname "$cfg")/store.redb"
     start_proxy "$cfg"
-    local P="http://127.0.0.1:$PX_PORT" max=0 sz
+    local P="http://127.0.0.1:$PX_PORT" max=0 sz sizes=""
     ( DURATION=$CHURN_SECONDS measure "$run" churn "first-post-churn" "$CONNS" "$P" "/api/send" POST unique 0 "d$run$RANDOM" ) &
     local wrk_job=$!
     while kill -0 "$wrk_job" 2>/dev/null; do
       sz=$(stat -c %s "$db" 2>/dev/null || echo 0); [ "$sz" -gt "$max" ] && max=$sz
+      sizes="$sizes${sizes:+,}$sz"
       sleep 1
     done
     wait "$wrk_job" || true
-    sleep 7 # let retention and gc remove what the burst left
+    # Stopped right away, the store holds the steady state's live set: the last 5 s of
+    # executions (retention) plus what gc has not reached yet.
+    local end_size; end_size=$(stat -c %s "$db")
     stop_pid "$PX_PID"
     local live; live=$("$STORE_TOOL" live --config "$cfg")
     # A restart compacts the file (see app::open_store).
     start_proxy "$cfg"; stop_pid "$PX_PID"
     local after; after=$(stat -c %s "$db")
-    record "$(python3 -c 'import json,sys; d=json.loads(sys.argv[1]); d.update(run=int(sys.argv[2]), kind="churn", max_file_bytes=int(sys.argv[3]), file_after_restart=int(sys.argv[4]), seconds=int(sys.argv[5])); print(json.dumps(d))' "$live" "$run" "$max" "$after" "$CHURN_SECONDS")"
+    record "$(python3 -c 'import json,sys; d=json.loads(sys.argv[1]); d.update(run=int(sys.argv[2]), kind="churn", max_file_bytes=int(sys.argv[3]), file_after_restart=int(sys.argv[4]), seconds=int(sys.argv[5]), file_at_end=int(sys.argv[6]), sizes=[int(x) for x in sys.argv[7].split(",") if x]); print(json.dumps(d))' "$live" "$run" "$max" "$after" "$CHURN_SECONDS" "$end_size" "$sizes")"
   fi
 
   stop_pid "$NG_PID"
