@@ -112,9 +112,10 @@ def render_run(run, rows):
     scale = sorted(((int(n.split("-")[1]), r) for n, r in wrk.items()
                     if n.startswith("replay-") and n != "replay-post"), key=lambda x: x[0])
     if scale:
+        # The scale rows' prefills are the run's last ones, each growing the same file.
         files = {}
         total = 0
-        for p in prefills:
+        for p in prefills[-len(scale):]:
             total += p["records"]
             files[total] = p["file_bytes"]
         out += ["Replays against a growing store (random keys over all stored records, "
@@ -188,8 +189,8 @@ def render_run(run, rows):
         live = max(churn["live_bytes"], 1)
         x = churn["max_file_bytes"] / live
         y = churn["file_after_restart"] / live
-        t.append(f"| file under churn within a stated multiple of live data (stated: 8× while running, 4× after a restart) | "
-                 f"largest {x:.1f}× live while running, {y:.1f}× after a restart | {verdict(x <= 8 and y <= 4)} |")
+        t.append(f"| file under churn within the stated multiple of live data (10× while running, 4× after a restart; docs/PERFORMANCE.md) | "
+                 f"largest {x:.1f}× live while running, {y:.1f}× after a restart | {verdict(x <= 10 and y <= 4)} |")
     out += ["Targets (ratios within this run):", ""] + t + [""]
     return out
 

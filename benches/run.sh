@@ -228,6 +228,12 @@ warm() {
 
 record() { echo "$1" >> "$RESULTS"; log "$1"; }
 
+# prefill RUN CONFIG FROM TO: records r-(FROM+1)..r-TO straight into the store (proxy stopped).
+prefill() {
+  local p; p=$("$STORE_TOOL" prefill --config "$2" --from "$3" --to "$4")
+  record "$(python3 -c 'import json,sys; d=json.loads(sys.argv[1]); d["run"]=int(sys.argv[2]); print(json.dumps(d))' "$p" "$1")"
+}
+
 # baseline RUN WHEN: one durable commit per state write, same store code, sequential, for
 # half a measurement (the proxy under test is idle meanwhile).
 baseline() {
@@ -257,7 +263,7 @@ one_run() {
   if want passthrough || want durable; then
     local cfg; cfg=$(write_config "main-$run")
     # 10k delivered records for the replay rows, written before the proxy opens the file.
-    record "$("$STORE_TOOL" prefill --config "$cfg" --from 0 --to 10000)"
+    prefill "$run" "$cfg" 0 10000
     start_proxy "$cfg"
     local P="http://127.0.0.1:$PX_PORT" MAIN_PID=$PX_PID
     warm "$U" "/weather?city=paris" GET; warm "$N" "/api/weather?city=paris" GET; warm "$P" "/api/weather?city=paris" GET
@@ -292,7 +298,7 @@ one_run() {
     local kind cfg P
     for kind in get replay first; do
       cfg=$(write_config "rss-$kind-$run")
-      [ "$kind" = replay ] && record "$("$STORE_TOOL" prefill --config "$cfg" --from 0 --to 10000)"
+      [ "$kind" = replay ] && prefill "$run" "$cfg" 0 10000
       start_proxy "$cfg"
       P="http://127.0.0.1:$PX_PORT"
       case $kind in
@@ -310,7 +316,7 @@ one_run() {
     local cfg; cfg=$(write_config "scale-$run")
     local have=0
     for n in $SCALES; do
-      record "$("$STORE_TOOL" prefill --config "$cfg" --from "$have" --to "$n")"
+      prefill "$run" "$cfg" "$have" "$n"
       have=$n
       start_proxy "$cfg"
       local P="http://127.0.0.1:$PX_PORT"
