@@ -230,7 +230,17 @@ async fn an_instance_killed_mid_execution_is_taken_over_without_a_second_commit(
         "{}",
     )
     .await;
-    assert_eq!(early.status, StatusCode::CONFLICT, "{early:?}");
+    // Under load the 1 s lease may already have run out, in which case the survivor has
+    // taken over and answers with the reconciled result; it never sends again either way.
+    assert!(
+        early.status == StatusCode::CONFLICT || early.header("idempotent-replayed") == Some("true"),
+        "{early:?}"
+    );
+    assert_eq!(
+        ds.hits_on("/send"),
+        1,
+        "no second send while the lease runs"
+    );
     // After the lease expires the survivor takes the record over as outcome_unknown and
     // reconciles it by lookup: the message is found, so its result is stored and replayed.
     tokio::time::sleep(Duration::from_millis(2500)).await;
