@@ -159,22 +159,8 @@ async fn post_raw(
 
 /// `idemproxy records list` over the whole store: execution id → state.
 fn records_all(config: &std::path::Path) -> HashMap<String, String> {
-    let out = cli(&[
-        "records",
-        "list",
-        "--limit",
-        "100000",
-        "--config",
-        config.to_str().expect("utf-8 path"),
-    ]);
-    assert!(
-        out.status.success(),
-        "records list failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .skip(1)
+    records_limit(config, 100_000)
+        .iter()
         .filter_map(|l| {
             let mut cols = l.split_whitespace();
             Some((cols.next()?.to_string(), cols.next()?.to_string()))

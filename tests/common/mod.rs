@@ -283,9 +283,17 @@ upstreams:
 
 /// Run `idemproxy records list` against a stopped proxy's config; returns stdout lines.
 pub fn records(config: &Path) -> Vec<String> {
+    records_limit(config, 50)
+}
+
+/// `records list --limit N`: the table rows without the header.
+pub fn records_limit(config: &Path, limit: usize) -> Vec<String> {
+    let limit = limit.to_string();
     let out = cli(&[
         "records",
         "list",
+        "--limit",
+        &limit,
         "--config",
         config.to_str().expect("utf-8 path"),
     ]);
