@@ -264,14 +264,6 @@ async fn an_instance_killed_mid_execution_is_taken_over_without_a_second_commit(
     assert_eq!(ds.commits(), 1);
 }
 
-fn signal(pid: u32, sig: &str) {
-    let st = std::process::Command::new("kill")
-        .args([sig, &pid.to_string()])
-        .status()
-        .expect("kill");
-    assert!(st.success());
-}
-
 /// Fencing: an instance paused (SIGSTOP) past its lease, whose record another instance
 /// took over and decided, must not commit over that decision when it resumes.
 #[tokio::test(flavor = "multi_thread")]
@@ -289,7 +281,7 @@ async fn a_paused_instance_cannot_commit_over_another_instances_decision() {
         async move { post(&c, &a_url, &[("idempotency-key", "k-fence")], "{}").await }
     });
     wait_for_hit(&ds, "/send").await;
-    signal(a.pid(), "-STOP");
+    a.signal("STOP");
     // A's lease (1 s) expires while it is frozen; B's lease keeper marks the record.
     tokio::time::sleep(Duration::from_millis(2500)).await;
     let r = post(
@@ -329,7 +321,7 @@ async fn a_paused_instance_cannot_commit_over_another_instances_decision() {
     .await;
     assert_eq!(b_result.status, StatusCode::CREATED, "{b_result:?}");
     // A wakes up, gets its (late) downstream answer and must be fenced off.
-    signal(a.pid(), "-CONT");
+    a.signal("CONT");
     let a_result = a_call.await.expect("task");
     // A's own late answer (the first message) is never stored nor served: A answers with
     // the record as decided (B's result, replayed) instead.

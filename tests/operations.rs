@@ -56,11 +56,7 @@ async fn sighup_reloads_routes_and_keeps_serving() {
         ),
     );
     std::fs::write(&proxy.config_path, reloaded).expect("write");
-    let st = std::process::Command::new("kill")
-        .args(["-HUP", &proxy.pid().to_string()])
-        .status()
-        .expect("kill");
-    assert!(st.success());
+    proxy.signal("HUP");
     proxy.wait_for_log("configuration reloaded", Duration::from_secs(5));
     let after = send(
         &c,
@@ -73,11 +69,7 @@ async fn sighup_reloads_routes_and_keeps_serving() {
     assert_eq!(after.status, StatusCode::OK);
     // A broken file is rejected and the running config stays.
     std::fs::write(&proxy.config_path, "upstreams: [oops").expect("write");
-    let st = std::process::Command::new("kill")
-        .args(["-HUP", &proxy.pid().to_string()])
-        .status()
-        .expect("kill");
-    assert!(st.success());
+    proxy.signal("HUP");
     proxy.wait_for_log("reload rejected", Duration::from_secs(5));
     let still = send(
         &c,

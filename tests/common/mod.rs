@@ -116,13 +116,18 @@ impl ProxyProc {
         self.child.wait().expect("reap");
     }
 
-    /// SIGTERM and wait for a clean exit.
-    pub fn terminate(mut self) -> std::process::ExitStatus {
+    /// Send a signal by name (`HUP`, `STOP`, `CONT`, `TERM`) with kill(1).
+    pub fn signal(&self, sig: &str) {
         let ok = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
+            .args([format!("-{sig}"), self.child.id().to_string()])
             .status()
             .expect("run kill");
-        assert!(ok.success());
+        assert!(ok.success(), "kill -{sig} failed");
+    }
+
+    /// SIGTERM and wait for a clean exit.
+    pub fn terminate(mut self) -> std::process::ExitStatus {
+        self.signal("TERM");
         let deadline = Instant::now() + Duration::from_secs(40);
         loop {
             if let Some(st) = self.child.try_wait().expect("try_wait") {
