@@ -68,6 +68,9 @@ pub struct Limits {
     pub max_body_bytes: usize,
     pub max_key_bytes: usize,
     pub max_response_bytes: usize,
+    /// Memory for delivered results kept ready to replay (0: no cache; see
+    /// `proxy::replay`).
+    pub replay_cache_bytes: u64,
 }
 
 #[derive(Debug, Clone)]

@@ -321,6 +321,8 @@ impl Validator {
                 l.max_response_bytes,
                 16 * 1024 * 1024,
             ),
+            // 0 is allowed here: it turns the cache off.
+            replay_cache_bytes: l.replay_cache_bytes.unwrap_or(8 * 1024 * 1024),
         }
     }
 

@@ -59,6 +59,42 @@ pub fn args_hash(parts: &RequestParts<'_>, spec: &FingerprintSpec) -> ArgsHash {
     ArgsHash(hex::encode(enc.hasher.finalize()))
 }
 
+/// A digest of the request's exact bytes over everything [`args_hash`] reads (method,
+/// names, path, raw query, `Content-Type`, the fingerprinted headers, raw body). Equal raw
+/// digests under one `spec` mean equal `args_hash`es, so a retry that repeats its request
+/// byte for byte can be matched without canonicalising it again (see `proxy::replay`).
+/// The converse does not hold: a respelled request has another raw digest and must be
+/// compared by `args_hash`.
+pub fn raw_digest(parts: &RequestParts<'_>, spec: &FingerprintSpec) -> RawDigest {
+    let mut enc = Encoder::default();
+    enc.bytes(RAW_DOMAIN);
+    enc.bytes(parts.method.as_str().as_bytes());
+    enc.bytes(parts.upstream.as_bytes());
+    enc.bytes(parts.route.as_bytes());
+    enc.bytes(parts.path.as_bytes());
+    match parts.query {
+        None => enc.tag(0),
+        Some(q) => {
+            enc.tag(1);
+            enc.bytes(q.as_bytes());
+        }
+    }
+    for name in std::iter::once(&CONTENT_TYPE).chain(spec.headers.iter()) {
+        enc.count(parts.headers.get_all(name).iter().count());
+        for v in parts.headers.get_all(name) {
+            enc.bytes(v.as_bytes());
+        }
+    }
+    enc.bytes(parts.body);
+    RawDigest(enc.hasher.finalize().into())
+}
+
+/// See [`raw_digest`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RawDigest(pub [u8; 32]);
+
+const RAW_DOMAIN: &[u8] = b"idemproxy/raw_request/v1";
+
 /// Validates a JSON pointer at config load (returns a human message on error).
 pub fn validate_pointer(p: &str) -> Result<(), String> {
     parse_pointer(p).map(|_| ())
@@ -372,6 +408,79 @@ mod tests {
         fn h(&self) -> String {
             self.hash(&FingerprintSpec::default())
         }
+
+        fn raw_digest(&self, spec: &FingerprintSpec) -> RawDigest {
+            let parts = RequestParts {
+                method: &self.method,
+                upstream: self.upstream,
+                route: self.route,
+                path: self.path,
+                query: self.query,
+                headers: &self.headers,
+                body: &self.body,
+            };
+            raw_digest(&parts, spec)
+        }
+    }
+
+    #[test]
+    fn raw_digest_covers_every_input_of_args_hash() {
+        let spec = FingerprintSpec {
+            ignore_json: vec![],
+            headers: vec![HeaderName::from_static("x-account")],
+        };
+        let base = || {
+            let mut r = Req::json(r#"{"to":"a@example.com","n":1}"#);
+            r.header("x-account", "acct_1");
+            r
+        };
+        let d = base().raw_digest(&spec);
+        assert_eq!(d, base().raw_digest(&spec), "deterministic");
+        let mut variants: Vec<Req> = Vec::new();
+        let mut v = base();
+        v.body = br#"{"to":"a@example.com","n":2}"#.to_vec();
+        variants.push(v);
+        let mut v = base();
+        v.method = Method::PUT;
+        variants.push(v);
+        let mut v = base();
+        v.path = "/send2";
+        variants.push(v);
+        let mut v = base();
+        v.query = Some("");
+        variants.push(v);
+        let mut v = base();
+        v.route = "other";
+        variants.push(v);
+        let mut v = base();
+        v.upstream = "other";
+        variants.push(v);
+        let mut v = base();
+        v.headers.insert(
+            HeaderName::from_static("x-account"),
+            HeaderValue::from_static("acct_2"),
+        );
+        variants.push(v);
+        let mut v = base();
+        v.headers
+            .insert(CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+        variants.push(v);
+        for (i, v) in variants.iter().enumerate() {
+            assert_ne!(
+                v.raw_digest(&spec),
+                d,
+                "variant {i} must change the raw digest"
+            );
+        }
+        // A header outside the fingerprint changes neither.
+        let mut v = base();
+        v.header("x-trace", "t1");
+        assert_eq!(v.raw_digest(&spec), d);
+        // Respelled JSON: same arguments, other bytes. The raw digest is only a shortcut.
+        let mut v = base();
+        v.body = br#"{ "n": 1, "to": "a@example.com" }"#.to_vec();
+        assert_ne!(v.raw_digest(&spec), d);
+        assert_eq!(v.hash(&spec), base().hash(&spec));
     }
 
     fn ignoring(pointers: &[&str]) -> FingerprintSpec {

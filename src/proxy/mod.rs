@@ -6,6 +6,7 @@ mod downstream;
 pub mod passthrough;
 pub mod reconcile;
 pub mod recovery;
+pub mod replay;
 pub mod side_effect;
 
 use std::net::SocketAddr;
@@ -28,24 +29,34 @@ pub struct Runtime {
     pub config: Arc<Config>,
     /// One pooled client per upstream, same order as `config.upstreams`.
     pub clients: Vec<HttpClient>,
+    /// Delivered answers ready to replay; one per loaded config, shared by the workers.
+    pub replays: Arc<replay::ReplayCache>,
 }
 
 impl Runtime {
     pub fn new(config: Config) -> Result<Runtime, client::ClientBuildError> {
-        Self::with_clients(Arc::new(config))
+        let replays = Arc::new(replay::ReplayCache::new(config.limits.replay_cache_bytes));
+        Self::with_clients(Arc::new(config), replays)
     }
 
     /// The same config with clients of its own. A client's connections live on the
     /// runtime that opened them, so each server worker thread gets its own clients: a
     /// shared pool would hand one thread's connection to another and every request would
     /// cross threads twice (see docs/PERFORMANCE.md).
-    fn with_clients(config: Arc<Config>) -> Result<Runtime, client::ClientBuildError> {
+    fn with_clients(
+        config: Arc<Config>,
+        replays: Arc<replay::ReplayCache>,
+    ) -> Result<Runtime, client::ClientBuildError> {
         let clients = config
             .upstreams
             .iter()
             .map(|u| client::build(config.timeouts.connect, u.ca_file.as_deref()))
             .collect::<Result<_, _>>()?;
-        Ok(Runtime { config, clients })
+        Ok(Runtime {
+            config,
+            clients,
+            replays,
+        })
     }
 }
 
@@ -134,6 +145,10 @@ impl Proxy {
                         passthrough::forward(&rt, client, &target, req, peer, true).await
                     }
                     Class::SideEffect => {
+                        let admitted = match side_effect::admit(self, &rt, &target, req).await {
+                            side_effect::Admit::Respond(resp) => return resp,
+                            other => other,
+                        };
                         let client = client.clone();
                         // hyper drops the service future when the client disconnects. A
                         // side effect must not stop half-way (it would sit `executing`
@@ -143,7 +158,19 @@ impl Proxy {
                         let rt = rt.clone();
                         let task = tokio::spawn(async move {
                             let target = owned.bind(&rt.config.upstreams);
-                            side_effect::handle(&proxy, &rt, &client, &target, req, peer).await
+                            match admitted {
+                                side_effect::Admit::Protected(call) => {
+                                    side_effect::run(&proxy, &rt, &client, &target, call, peer)
+                                        .await
+                                }
+                                side_effect::Admit::Unprotected(req) => {
+                                    side_effect::unprotected(
+                                        &proxy, &rt, &client, &target, req, peer,
+                                    )
+                                    .await
+                                }
+                                side_effect::Admit::Respond(resp) => resp,
+                            }
                         });
                         match task.await {
                             Ok(resp) => resp,
@@ -188,7 +215,7 @@ impl Worker {
             }
         }
         let shared = self.proxy.runtime();
-        let rt = match Runtime::with_clients(shared.config.clone()) {
+        let rt = match Runtime::with_clients(shared.config.clone(), shared.replays.clone()) {
             Ok(rt) => Arc::new(rt),
             Err(e) => {
                 // The same config built its clients once already; if this thread cannot,

@@ -15,15 +15,15 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::request::Parts;
 use http::{HeaderValue, Request, Response, StatusCode};
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 
-use super::{downstream, passthrough, reconcile as lookup, Proxy, Runtime};
+use super::{downstream, passthrough, reconcile as lookup, replay, Proxy, Runtime};
 use crate::config::{Concurrent, On5xx, Route};
 use crate::failpoint;
 use crate::metrics::{Metrics, RouteLabels};
 use crate::policy::classify::Target;
-use crate::policy::fingerprint::{args_hash, RequestParts};
+use crate::policy::fingerprint::{args_hash, raw_digest, RawDigest, RequestParts};
 use crate::policy::identity::{self, ArgsHash, ExecutionId, KeyLookup, TenantScope};
 use crate::policy::reconcile::{self, Plan, Verdict};
 use crate::policy::state::{Event, State};
@@ -32,18 +32,37 @@ use crate::store::{
 };
 use crate::wire::body::{self, BoxError, NotifyOnEnd, ProxyBody};
 use crate::wire::client::{self, HttpClient, SendFailure};
-use crate::wire::headers::{EXECUTION_ID, REPLAYED, STATUS};
+use crate::wire::headers::{REPLAYED, STATUS};
 use crate::wire::problem::{Kind, Problem};
 
-/// Entry for a request classified as a side effect.
-pub async fn handle(
-    proxy: &Arc<Proxy>,
+/// What admission decided, before any work that must outlive the client's connection.
+pub enum Admit {
+    /// Answered already: a bad or missing key, an unreadable body, or a replay from memory.
+    Respond(Response<ProxyBody>),
+    /// No key on a route that allows that: forwarded as is, unprotected.
+    Unprotected(Request<Incoming>),
+    /// Keyed and read: runs under its execution record ([`run`]).
+    Protected(Admitted),
+}
+
+/// A keyed side-effect request with its body read and its identity resolved.
+pub struct Admitted {
+    parts: Parts,
+    body: Bytes,
+    id: ExecutionId,
+    tenant: TenantScope,
+    raw: RawDigest,
+}
+
+/// Admit a request classified as a side effect: find its key, read its body, derive its
+/// execution id, and answer it from the replay cache when it repeats a delivered call
+/// byte for byte (a hit needs no store read and no task of its own).
+pub async fn admit(
+    proxy: &Proxy,
     rt: &Runtime,
-    client: &HttpClient,
     target: &Target<'_>,
     req: Request<Incoming>,
-    peer: SocketAddr,
-) -> Response<ProxyBody> {
+) -> Admit {
     let cfg = &rt.config;
     let route = target.route;
     // admit: the key decides whether this call is protected at all.
@@ -55,52 +74,108 @@ pub async fn handle(
     ) {
         KeyLookup::Found { key, .. } => key,
         KeyLookup::Missing if route.key_required => {
-            return Problem::new(
-                Kind::KeyMissing,
-                format!(
-                    "route `{}/{}` has side effects and needs an {} header{}",
-                    target.upstream.name,
-                    route.name,
-                    cfg.identity.key_header,
-                    if cfg.identity.derive_from.is_empty() {
-                        String::new()
-                    } else {
-                        " or the derive_from headers".to_string()
-                    }
-                ),
-            )
-            .into_response();
+            return Admit::Respond(
+                Problem::new(
+                    Kind::KeyMissing,
+                    format!(
+                        "route `{}/{}` has side effects and needs an {} header{}",
+                        target.upstream.name,
+                        route.name,
+                        cfg.identity.key_header,
+                        if cfg.identity.derive_from.is_empty() {
+                            String::new()
+                        } else {
+                            " or the derive_from headers".to_string()
+                        }
+                    ),
+                )
+                .into_response(),
+            );
         }
-        KeyLookup::Missing => {
-            tracing::warn!(upstream = %target.upstream.name, route = %route.name, "side effect forwarded without a key (unprotected)");
-            proxy
-                .metrics
-                .unprotected
-                .get_or_create(&Metrics::labels(&target.upstream.name, &route.name))
-                .inc();
-            return passthrough::forward(rt, client, target, req, peer, false).await;
+        KeyLookup::Missing => return Admit::Unprotected(req),
+        KeyLookup::Invalid(why) => {
+            return Admit::Respond(Problem::new(Kind::KeyInvalid, why).into_response())
         }
-        KeyLookup::Invalid(why) => return Problem::new(Kind::KeyInvalid, why).into_response(),
     };
     let (parts, incoming) = req.into_parts();
     let body = match read_body(incoming, &parts, cfg.limits.max_body_bytes).await {
         Ok(b) => b,
-        Err(resp) => return *resp,
+        Err(resp) => return Admit::Respond(*resp),
     };
-    // identify + fingerprint
+    // identify
     let tenant = identity::tenant_scope(&parts.headers, &cfg.identity.tenant_from);
     let id = identity::execution_id(&tenant, &target.upstream.name, &route.name, &key);
+    let raw = raw_digest(&request_parts(target, &parts, &body), &route.fingerprint);
+    if let Some(resp) = rt.replays.replay(&id, &raw, now_ms()) {
+        tracing::info!(execution_id = %id, "replayed stored result");
+        let labels = Metrics::labels(&target.upstream.name, &route.name);
+        proxy.metrics.replays.get_or_create(&labels).inc();
+        proxy
+            .metrics
+            .duplicates_prevented
+            .get_or_create(&labels)
+            .inc();
+        return Admit::Respond(failpoint::on_answer(resp));
+    }
+    Admit::Protected(Admitted {
+        parts,
+        body,
+        id,
+        tenant,
+        raw,
+    })
+}
+
+fn request_parts<'a>(target: &'a Target<'_>, parts: &'a Parts, body: &'a [u8]) -> RequestParts<'a> {
+    RequestParts {
+        method: &parts.method,
+        upstream: &target.upstream.name,
+        route: &target.route.name,
+        path: &target.rel_path,
+        query: parts.uri.query(),
+        headers: &parts.headers,
+        body,
+    }
+}
+
+/// A side effect forwarded without a key (the route allows it): no record, no replay.
+pub async fn unprotected(
+    proxy: &Proxy,
+    rt: &Runtime,
+    client: &HttpClient,
+    target: &Target<'_>,
+    req: Request<Incoming>,
+    peer: SocketAddr,
+) -> Response<ProxyBody> {
+    tracing::warn!(upstream = %target.upstream.name, route = %target.route.name, "side effect forwarded without a key (unprotected)");
+    proxy
+        .metrics
+        .unprotected
+        .get_or_create(&Metrics::labels(&target.upstream.name, &target.route.name))
+        .inc();
+    passthrough::forward(rt, client, target, req, peer, false).await
+}
+
+/// Run an admitted call under its execution record: fingerprint, claim or decide, and
+/// (reconcile,) forward, record, respond.
+pub async fn run(
+    proxy: &Arc<Proxy>,
+    rt: &Runtime,
+    client: &HttpClient,
+    target: &Target<'_>,
+    admitted: Admitted,
+    peer: SocketAddr,
+) -> Response<ProxyBody> {
+    let Admitted {
+        parts,
+        body,
+        id,
+        tenant,
+        raw,
+    } = admitted;
     let args = args_hash(
-        &RequestParts {
-            method: &parts.method,
-            upstream: &target.upstream.name,
-            route: &route.name,
-            path: &target.rel_path,
-            query: parts.uri.query(),
-            headers: &parts.headers,
-            body: &body,
-        },
-        &route.fingerprint,
+        &request_parts(target, &parts, &body),
+        &target.route.fingerprint,
     );
     let call = Call {
         proxy,
@@ -111,6 +186,7 @@ pub async fn handle(
         body,
         id,
         args,
+        raw,
         tenant,
         peer,
     };
@@ -166,6 +242,8 @@ struct Call<'a> {
     body: Bytes,
     id: ExecutionId,
     args: ArgsHash,
+    /// The request's raw digest, for the replay cache.
+    raw: RawDigest,
     tenant: TenantScope,
     peer: SocketAddr,
 }
@@ -1052,6 +1130,8 @@ impl Call<'_> {
             return resp;
         }
         let store = self.proxy.store.clone();
+        let replays = self.rt.replays.clone();
+        let raw = self.raw;
         let record = r.clone();
         resp.map(move |b| {
             NotifyOnEnd::new(b, move || {
@@ -1060,7 +1140,9 @@ impl Call<'_> {
                     let mut record = record;
                     if record.apply(Event::Deliver, now_ms(), None).is_ok() {
                         // Best effort: a conflict means another attempt already marked it.
-                        let _ = store.update(record).await;
+                        if let Ok(delivered) = store.update(record).await {
+                            replays.remember(&delivered, raw);
+                        }
                     }
                 });
             })
@@ -1071,27 +1153,16 @@ impl Call<'_> {
     fn replay(&self, r: &Record) -> Response<ProxyBody> {
         tracing::info!(execution_id = %self.id, "replayed stored result");
         self.metrics().replays.get_or_create(&self.labels()).inc();
+        self.rt.replays.remember(r, self.raw);
         self.respond(r, true)
     }
 }
 
 fn stored_response(stored: &StoredResponse, id: &ExecutionId) -> Response<ProxyBody> {
-    let mut resp = Response::new(
-        Full::new(Bytes::from(stored.body.clone()))
-            .map_err(|n| match n {})
-            .boxed(),
-    );
-    *resp.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::BAD_GATEWAY);
-    let h = resp.headers_mut();
-    for (n, v) in &stored.headers {
-        if let (Ok(n), Ok(v)) = (
-            http::HeaderName::from_bytes(n.as_bytes()),
-            HeaderValue::from_bytes(v),
-        ) {
-            h.append(n, v);
-        }
-    }
-    h.insert(EXECUTION_ID, downstream::header_value(id.as_str()));
+    let (status, headers) = replay::response_head(stored, id);
+    let mut resp = Response::new(body::full(Bytes::from(stored.body.clone())));
+    *resp.status_mut() = status;
+    *resp.headers_mut() = headers;
     resp
 }
 

@@ -1,0 +1,220 @@
+//! Delivered results kept in memory, ready to replay without a store read.
+//!
+//! A record in `result_delivered` never changes again: the state machine has no transition
+//! out of it, and the only way it leaves the store is retention (gc deletes records whose
+//! `expires_at` passed). So a copy of its answer, keyed by execution id and dropped at the
+//! same `expires_at`, answers a retry exactly as the store would, whatever backend and
+//! however many instances share it. Only `result_delivered` records are kept: a replay of a
+//! `committed` one must still write `result_delivered`, so it takes the store path.
+//!
+//! A hit also skips canonicalising the arguments: the entry keeps the
+//! [`RawDigest`](crate::policy::fingerprint::raw_digest) of the request that replayed or
+//! delivered it, and a retry with the same bytes has the same `args_hash`. A retry with
+//! other bytes (respelled JSON, other arguments) misses and is judged on the store path,
+//! which answers a changed argument with 422 as before.
+//!
+//! The cache is bounded by `limits.replay_cache_bytes` (weighted by each answer's size,
+//! evicted by quick_cache's S3-FIFO policy) and belongs to one loaded config: a reload
+//! starts an empty one, since the fingerprint rules of a route may have changed.
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Response, StatusCode};
+use quick_cache::sync::Cache;
+use quick_cache::Weighter;
+use std::sync::Arc;
+
+use crate::policy::fingerprint::RawDigest;
+use crate::policy::identity::ExecutionId;
+use crate::policy::state::State;
+use crate::store::{Record, StoredResponse};
+use crate::wire::body::{self, ProxyBody};
+use crate::wire::headers::{EXECUTION_ID, REPLAYED};
+
+pub struct ReplayCache {
+    entries: Option<Cache<ExecutionId, Arc<Entry>, ByBytes>>,
+}
+
+struct Entry {
+    raw: RawDigest,
+    expires_at_ms: i64,
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
+    weight: u64,
+}
+
+#[derive(Clone)]
+struct ByBytes;
+
+impl Weighter<ExecutionId, Arc<Entry>> for ByBytes {
+    fn weight(&self, _id: &ExecutionId, entry: &Arc<Entry>) -> u64 {
+        entry.weight
+    }
+}
+
+/// Bookkeeping per entry beside its bytes (the map slot, the header map, the Arc).
+const ENTRY_OVERHEAD: u64 = 256;
+
+impl ReplayCache {
+    /// A cache of at most `bytes` (0: none; every replay reads the store).
+    pub fn new(bytes: u64) -> ReplayCache {
+        let entries = (bytes > 0).then(|| {
+            let estimated_items = (bytes / 1024).clamp(16, 1 << 20) as usize;
+            Cache::with_weighter(estimated_items, bytes, ByBytes)
+        });
+        ReplayCache { entries }
+    }
+
+    /// The replayed answer, if `id` is cached with the same request bytes and is still
+    /// within retention.
+    pub fn replay(
+        &self,
+        id: &ExecutionId,
+        raw: &RawDigest,
+        now_ms: i64,
+    ) -> Option<Response<ProxyBody>> {
+        let entry = self.entries.as_ref()?.get(id)?;
+        if entry.raw != *raw || entry.expires_at_ms <= now_ms {
+            return None;
+        }
+        let mut resp = Response::new(body::full(entry.body.clone()));
+        *resp.status_mut() = entry.status;
+        *resp.headers_mut() = entry.headers.clone();
+        Some(resp)
+    }
+
+    /// Keep `record`'s answer if it is delivered (nothing else is final), matched by the
+    /// request bytes `raw` from now on.
+    pub fn remember(&self, record: &Record, raw: RawDigest) {
+        let Some(entries) = &self.entries else { return };
+        if record.state() != State::ResultDelivered {
+            return;
+        }
+        let Some(stored) = &record.response else {
+            return;
+        };
+        let (status, mut headers) = response_head(stored, &record.id);
+        headers.insert(REPLAYED, HeaderValue::from_static("true"));
+        let weight = ENTRY_OVERHEAD
+            + (record.id.as_str().len() + stored.body.len()) as u64
+            + stored
+                .headers
+                .iter()
+                .map(|(n, v)| (n.len() + v.len()) as u64)
+                .sum::<u64>();
+        entries.insert(
+            record.id.clone(),
+            Arc::new(Entry {
+                raw,
+                expires_at_ms: record.expires_at_ms,
+                status,
+                headers,
+                body: Bytes::from(stored.body.clone()),
+                weight,
+            }),
+        );
+    }
+}
+
+/// Status and headers of a stored answer as the client gets them: the downstream's
+/// headers in their order, plus the execution id.
+pub fn response_head(stored: &StoredResponse, id: &ExecutionId) -> (StatusCode, HeaderMap) {
+    let status = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::BAD_GATEWAY);
+    let mut h = HeaderMap::with_capacity(stored.headers.len() + 2);
+    for (n, v) in &stored.headers {
+        if let (Ok(n), Ok(v)) = (
+            http::HeaderName::from_bytes(n.as_bytes()),
+            HeaderValue::from_bytes(v),
+        ) {
+            h.append(n, v);
+        }
+    }
+    h.insert(EXECUTION_ID, super::downstream::header_value(id.as_str()));
+    (status, h)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::identity::{ArgsHash, TenantScope};
+    use crate::policy::state::Event;
+    use crate::store::NewRecord;
+
+    fn delivered(id: &str, expires_at_ms: i64) -> Record {
+        let mut r = Record::new(NewRecord {
+            id: ExecutionId(id.into()),
+            tenant: TenantScope("t".into()),
+            upstream: "mail".into(),
+            route: "send".into(),
+            tool_version: "v1".into(),
+            operation_id: None,
+            args_hash: ArgsHash("a".into()),
+            method: "POST".into(),
+            path: "/send".into(),
+            query: None,
+            path_params: vec![],
+            preview: None,
+            now_ms: 1,
+            expires_at_ms,
+        });
+        r.apply(Event::Start, 1, None).expect("start");
+        r.response = Some(StoredResponse {
+            status: 201,
+            headers: vec![("content-type".into(), b"application/json".to_vec())],
+            body: br#"{"id":"msg_1"}"#.to_vec(),
+        });
+        r.apply(Event::Commit, 2, None).expect("commit");
+        r
+    }
+
+    #[test]
+    fn replays_only_delivered_records_with_the_same_bytes_within_retention() {
+        let cache = ReplayCache::new(1 << 20);
+        let raw = RawDigest([7; 32]);
+        let mut r = delivered("ex_1", 1_000);
+        cache.remember(&r, raw);
+        assert!(
+            cache.replay(&r.id, &raw, 10).is_none(),
+            "committed is not final: its replay must write result_delivered"
+        );
+        r.apply(Event::Deliver, 3, None).expect("deliver");
+        cache.remember(&r, raw);
+        let resp = cache.replay(&r.id, &raw, 10).expect("hit");
+        assert_eq!(resp.status(), StatusCode::CREATED);
+        assert_eq!(resp.headers()[EXECUTION_ID], "ex_1");
+        assert_eq!(resp.headers()[REPLAYED], "true");
+        assert_eq!(resp.headers()["content-type"], "application/json");
+        assert!(
+            cache.replay(&r.id, &RawDigest([8; 32]), 10).is_none(),
+            "other bytes go to the store path"
+        );
+        assert!(cache.replay(&r.id, &raw, 1_000).is_none(), "past retention");
+        assert!(cache
+            .replay(&ExecutionId("ex_2".into()), &raw, 10)
+            .is_none());
+    }
+
+    #[test]
+    fn a_zero_budget_keeps_nothing_and_the_budget_bounds_the_cache() {
+        let off = ReplayCache::new(0);
+        let mut r = delivered("ex_1", 1_000);
+        r.apply(Event::Deliver, 3, None).expect("deliver");
+        off.remember(&r, RawDigest([1; 32]));
+        assert!(off.replay(&r.id, &RawDigest([1; 32]), 10).is_none());
+
+        let small = ReplayCache::new(16 * 1024);
+        for i in 0..1_000 {
+            let mut r = delivered(&format!("ex_{i}"), 1_000);
+            r.apply(Event::Deliver, 3, None).expect("deliver");
+            small.remember(&r, RawDigest([1; 32]));
+        }
+        let kept = (0..1_000)
+            .filter(|i| {
+                small
+                    .replay(&ExecutionId(format!("ex_{i}")), &RawDigest([1; 32]), 10)
+                    .is_some()
+            })
+            .count();
+        assert!(kept > 0 && kept < 100, "kept {kept} entries in 16 KiB");
+    }
+}
