@@ -70,9 +70,10 @@ def render_run(run, rows):
         "nginx-post": "nginx reverse proxy, POST 512 B JSON",
         "idemproxy-post": "idemproxy read-only pass-through, POST 512 B JSON",
         "replay-post": "idemproxy replays (10k stored, random keys), POST 512 B",
+        "nocache-replay-post": "idemproxy replays, replay cache off (every replay reads redb), POST 512 B",
     }
     order = ["direct-get", "nginx-get", "idemproxy-get", "direct-post", "nginx-post",
-             "idemproxy-post", "replay-post"]
+             "idemproxy-post", "replay-post", "nocache-replay-post"]
     order += sorted((n for n in wrk if re.fullmatch(r"first-post-c\d+", n)),
                     key=lambda n: int(n.rsplit("c", 1)[1]))
     order += [n for n in wrk if n.startswith("rss-")]
@@ -165,6 +166,10 @@ def render_run(run, rows):
     ratio_row("post", "idemproxy-post", "nginx-post", 1.0, "pass-through POST throughput vs nginx")
     p99_row("idemproxy-post", "nginx-post", "pass-through POST")
     ratio_row("replay", "replay-post", "nginx-post", 1.5, "replays vs nginx pass-through (same POST)")
+    if "nocache-replay-post" in wrk and "nginx-post" in wrk and "rps" in wrk["nocache-replay-post"]:
+        x = wrk["nocache-replay-post"]["rps"] / wrk["nginx-post"]["rps"]
+        t.append(f"| (for information) replays with the replay cache off vs nginx pass-through | {x:.2f}× "
+                 f"({fmt_rps(wrk['nocache-replay-post']['rps'])} vs {fmt_rps(wrk['nginx-post']['rps'])}) | no target |")
     first = next((wrk[n] for n in wrk if n == "first-post-c64"), None)
     if first and base and "rps" in first:
         x = first["rps"] / base["executions_per_s"]

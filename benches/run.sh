@@ -162,15 +162,15 @@ EOF
 }
 
 # --- idemproxy -----------------------------------------------------------------------------
-# write_config NAME [retention] [gc_interval]: /api/weather (GET) and /api/echo (POST) are
+# write_config NAME [retention] [gc_interval] [replay_cache_bytes]: /api/weather (GET) and /api/echo (POST) are
 # read-only pass-through; /api/send is a side effect, keyed by Idempotency-Key.
 write_config() {
-  local name=$1 retention=${2:-24h} gc=${3:-60s}
+  local name=$1 retention=${2:-24h} gc=${3:-60s} cache=${4:-}
   local d="$WORK/$name"; mkdir -p "$d"
   cat > "$d/idemproxy.yaml" <<EOF
 listen: 127.0.0.1:0
 store: { backend: redb, path: $d/store.redb, retention: $retention, gc_interval: $gc }
-limits: { max_body_bytes: 65536 }
+limits: { max_body_bytes: 65536${cache:+, replay_cache_bytes: $cache} }
 identity:
   key_header: Idempotency-Key
   derive_from: []
@@ -290,6 +290,14 @@ one_run() {
   if want passthrough || want durable; then
     record "{\"kind\":\"rss\",\"run\":$run,\"name\":\"main\",\"vmhwm_kib\":$(vmhwm_kib "$MAIN_PID")}"
     stop_pid "$MAIN_PID"
+  fi
+  if want durable; then
+    # The same replays with the replay cache off: what the store path alone costs.
+    local cfg; cfg=$(write_config "nocache-$run" 24h 60s 0)
+    prefill "$run" "$cfg" 0 10000
+    start_proxy "$cfg"
+    measure "$run" durable nocache-replay-post "$CONNS" "http://127.0.0.1:$PX_PORT" "/api/send" POST pool 10000 r
+    stop_pid "$PX_PID"
   fi
 
   if want rss; then
