@@ -103,6 +103,102 @@ async fn json_spelling_does_not_change_the_hash_but_values_do() {
     assert_eq!(ds.commits(), 1);
 }
 
+/// Replays from memory (`proxy::replay`) answer exactly what the store would: the same
+/// answer for the same bytes, and for anything else the store path's verdict.
+#[tokio::test(flavor = "multi_thread")]
+async fn replays_from_memory_keep_the_store_verdicts() {
+    let (_dir, ds, proxy) = setup().await;
+    let c = client();
+    let url = proxy.url("/mail/send");
+    let k = [AUTH_A, ("idempotency-key", "k-mem")];
+    let body = r#"{"to":"a@x","amount":1}"#;
+    let first = post(&c, &url, &k, body).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    // Once `result_delivered` is written the answer is kept; byte-identical retries are
+    // then answered from memory.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let memory = |p: &ProxyProc| {
+        p.stderr_lines()
+            .iter()
+            .filter(|l| l.contains("replayed stored result") && l.contains("memory"))
+            .count()
+    };
+    while memory(&proxy) == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no replay from memory; stderr:\n{}",
+            proxy.stderr_lines().join("\n")
+        );
+        let again = post(&c, &url, &k, body).await;
+        assert_eq!(again.status, StatusCode::CREATED);
+        assert_eq!(again.header("idempotent-replayed"), Some("true"));
+        assert_eq!(again.body, first.body);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let cached = post(&c, &url, &k, body).await;
+    assert_eq!(cached.status, StatusCode::CREATED);
+    assert_eq!(cached.header("idempotent-replayed"), Some("true"));
+    assert_eq!(
+        cached.header("idempotency-execution-id"),
+        first.header("idempotency-execution-id")
+    );
+    assert_eq!(cached.header("x-request-id"), first.header("x-request-id"));
+    assert_eq!(cached.body, first.body);
+    // Other arguments under the cached key: still the key-mismatch problem.
+    let changed = post(&c, &url, &k, r#"{"to":"a@x","amount":2}"#).await;
+    assert_eq!(
+        changed.status,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "{changed:?}"
+    );
+    assert_eq!(changed.problem_type(), "urn:idemproxy:problem:key-mismatch");
+    // Respelled, same arguments: other bytes, so the store path, which replays.
+    let respelled = post(&c, &url, &k, r#"{ "amount": 1.0, "to": "a@x" }"#).await;
+    assert_eq!(respelled.status, StatusCode::CREATED, "{respelled:?}");
+    assert_eq!(respelled.header("idempotent-replayed"), Some("true"));
+    // A fingerprinted part outside the body (here the tenant) is another execution.
+    let other_tenant = post(&c, &url, &[AUTH_B, ("idempotency-key", "k-mem")], body).await;
+    assert_eq!(other_tenant.status, StatusCode::CREATED);
+    assert_eq!(other_tenant.header("idempotent-replayed"), None);
+    assert_eq!(
+        ds.commits(),
+        2,
+        "one execution per tenant, however replayed"
+    );
+}
+
+/// A kept answer ends with its record's retention: once gc has deleted the record, the
+/// same key executes again instead of being replayed from memory.
+#[tokio::test(flavor = "multi_thread")]
+async fn replays_from_memory_end_with_retention() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ds = FakeDownstream::start().await;
+    let yaml = config(dir.path(), &ds.url())
+        .replace("retention: 1h }", "retention: 1s, gc_interval: 1s }");
+    assert!(yaml.contains("gc_interval: 1s"));
+    let proxy = ProxyProc::start(dir.path(), &yaml);
+    let c = client();
+    let url = proxy.url("/mail/send");
+    let k = [AUTH_A, ("idempotency-key", "k-short")];
+    let first = post(&c, &url, &k, r#"{"to":"a@x"}"#).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(ds.commits(), 1);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let again = post(&c, &url, &k, r#"{"to":"a@x"}"#).await;
+        assert_eq!(again.status, StatusCode::CREATED, "{again:?}");
+        if again.header("idempotent-replayed").is_none() {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "still replayed 10 s after a 1 s retention"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(ds.commits(), 2, "executed again once the record was gone");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn twenty_concurrent_duplicates_make_one_commit() {
     let (_dir, ds, proxy) = setup().await;

@@ -71,6 +71,9 @@ pub struct Limits {
     /// Memory for delivered results kept ready to replay (0: no cache; see
     /// `proxy::replay`).
     pub replay_cache_bytes: u64,
+    /// Keyed side-effect calls past admission at once; more wait their turn before
+    /// anything durable happens (see `proxy::Proxy::handle_on`).
+    pub max_calls_in_flight: usize,
 }
 
 #[derive(Debug, Clone)]

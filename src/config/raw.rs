@@ -50,6 +50,7 @@ pub struct RawLimits {
     pub max_key_bytes: Option<u64>,
     pub max_response_bytes: Option<u64>,
     pub replay_cache_bytes: Option<u64>,
+    pub max_calls_in_flight: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]

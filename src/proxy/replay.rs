@@ -18,7 +18,7 @@
 //! starts an empty one, since the fingerprint rules of a route may have changed.
 
 use bytes::Bytes;
-use http::{HeaderMap, HeaderValue, Response, StatusCode};
+use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 use quick_cache::sync::Cache;
 use quick_cache::Weighter;
 use std::sync::Arc;
@@ -38,7 +38,9 @@ struct Entry {
     raw: RawDigest,
     expires_at_ms: i64,
     status: StatusCode,
-    headers: HeaderMap,
+    /// As a list, not a map: a `HeaderMap` is over half a kilobyte even for two headers,
+    /// more than most answers; the map is built per replay instead.
+    headers: Box<[(HeaderName, HeaderValue)]>,
     body: Bytes,
     weight: u64,
 }
@@ -52,9 +54,10 @@ impl Weighter<ExecutionId, Arc<Entry>> for ByBytes {
     }
 }
 
-/// Memory per entry beside its bytes: the header map (about 560 bytes for a few headers,
-/// measured with heaptrack), the entry and its Arc, the map slot.
-const ENTRY_OVERHEAD: u64 = 768;
+/// Memory per entry beside its bytes: the entry and its Arc, the cache's slot and key.
+const ENTRY_OVERHEAD: u64 = 256;
+/// Per header beside its name and value bytes.
+const HEADER_OVERHEAD: u64 = 64;
 
 impl ReplayCache {
     /// A cache of at most `bytes` (0: none; every replay reads the store).
@@ -80,7 +83,11 @@ impl ReplayCache {
         }
         let mut resp = Response::new(body::full(entry.body.clone()));
         *resp.status_mut() = entry.status;
-        *resp.headers_mut() = entry.headers.clone();
+        let headers = resp.headers_mut();
+        headers.reserve(entry.headers.len());
+        for (name, value) in entry.headers.iter() {
+            headers.append(name.clone(), value.clone());
+        }
         Some(resp)
     }
 
@@ -94,14 +101,24 @@ impl ReplayCache {
         let Some(stored) = &record.response else {
             return;
         };
-        let (status, mut headers) = response_head(stored, &record.id);
-        headers.insert(REPLAYED, HeaderValue::from_static("true"));
+        let (status, mut map) = response_head(stored, &record.id);
+        map.insert(REPLAYED, HeaderValue::from_static("true"));
+        let mut headers = Vec::with_capacity(map.len());
+        let mut last = None;
+        for (name, value) in map {
+            // `into_iter` names only the first of a repeated header's values.
+            if let Some(n) = name {
+                last = Some(n);
+            }
+            if let Some(n) = &last {
+                headers.push((n.clone(), value));
+            }
+        }
         let weight = ENTRY_OVERHEAD
             + (record.id.as_str().len() + stored.body.len()) as u64
-            + stored
-                .headers
+            + headers
                 .iter()
-                .map(|(n, v)| (n.len() + v.len()) as u64)
+                .map(|(n, v)| (n.as_str().len() + v.len()) as u64 + HEADER_OVERHEAD)
                 .sum::<u64>();
         entries.insert(
             record.id.clone(),
@@ -109,7 +126,7 @@ impl ReplayCache {
                 raw,
                 expires_at_ms: record.expires_at_ms,
                 status,
-                headers,
+                headers: headers.into_boxed_slice(),
                 body: Bytes::from(stored.body.clone()),
                 weight,
             }),
@@ -161,7 +178,11 @@ mod tests {
         r.apply(Event::Start, 1, None).expect("start");
         r.response = Some(StoredResponse {
             status: 201,
-            headers: vec![("content-type".into(), b"application/json".to_vec())],
+            headers: vec![
+                ("content-type".into(), b"application/json".to_vec()),
+                ("set-cookie".into(), b"a=1".to_vec()),
+                ("set-cookie".into(), b"b=2".to_vec()),
+            ],
             body: br#"{"id":"msg_1"}"#.to_vec(),
         });
         r.apply(Event::Commit, 2, None).expect("commit");
@@ -185,6 +206,8 @@ mod tests {
         assert_eq!(resp.headers()[EXECUTION_ID], "ex_1");
         assert_eq!(resp.headers()[REPLAYED], "true");
         assert_eq!(resp.headers()["content-type"], "application/json");
+        let cookies: Vec<_> = resp.headers().get_all("set-cookie").iter().collect();
+        assert_eq!(cookies, ["a=1", "b=2"], "repeated headers kept in order");
         assert!(
             cache.replay(&r.id, &RawDigest([8; 32]), 10).is_none(),
             "other bytes go to the store path"

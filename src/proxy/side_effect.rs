@@ -107,7 +107,7 @@ pub async fn admit(
     let id = identity::execution_id(&tenant, &target.upstream.name, &route.name, &key);
     let raw = raw_digest(&request_parts(target, &parts, &body), &route.fingerprint);
     if let Some(resp) = rt.replays.replay(&id, &raw, now_ms()) {
-        tracing::info!(execution_id = %id, "replayed stored result");
+        tracing::info!(execution_id = %id, from = "memory", "replayed stored result");
         let labels = Metrics::labels(&target.upstream.name, &route.name);
         proxy.metrics.replays.get_or_create(&labels).inc();
         proxy
@@ -542,7 +542,8 @@ impl Call<'_> {
             (Ok(Some(mark)), _) => self.cancel_unsent(r, mark).await,
             (Ok(None), State::Executing) => {
                 failpoint::hit("after_prepared").await;
-                self.execute(r, SendMode::First).await
+                // Boxed: a call waiting on its claim holds only what it needs so far.
+                Box::pin(self.execute(r, SendMode::First)).await
             }
             (Ok(None), _) => self.approval_required(&r),
             (Err(e), State::Executing) => {
@@ -652,7 +653,7 @@ impl Call<'_> {
                         self.metrics()
                             .reconciled(upstream_name, route_name, "resent");
                         failpoint::hit("after_prepared").await;
-                        Step::Respond(self.execute(r, SendMode::Resend).await)
+                        Step::Respond(Box::pin(self.execute(r, SendMode::Resend)).await)
                     }
                     Err(StoreError::Conflict { .. }) => Step::Again,
                     Err(e) => Step::Respond(self.store_failed(e)),
@@ -1171,7 +1172,7 @@ impl Call<'_> {
     }
 
     fn replay(&self, r: &Record) -> Response<ProxyBody> {
-        tracing::info!(execution_id = %self.id, "replayed stored result");
+        tracing::info!(execution_id = %self.id, from = "store", "replayed stored result");
         self.metrics().replays.get_or_create(&self.labels()).inc();
         self.rt.replays.remember(r, self.raw);
         self.respond(r, true)
