@@ -322,7 +322,7 @@ impl Validator {
                 16 * 1024 * 1024,
             ),
             // 0 is allowed here: it turns the cache off.
-            replay_cache_bytes: l.replay_cache_bytes.unwrap_or(8 * 1024 * 1024),
+            replay_cache_bytes: l.replay_cache_bytes.unwrap_or(16 * 1024 * 1024),
             max_calls_in_flight: get("limits.max_calls_in_flight", l.max_calls_in_flight, 256),
         }
     }

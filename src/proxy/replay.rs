@@ -95,7 +95,11 @@ impl ReplayCache {
     /// request bytes `raw` from now on.
     pub fn remember(&self, record: &Record, raw: RawDigest) {
         let Some(entries) = &self.entries else { return };
-        if record.state() != State::ResultDelivered {
+        if record.state() != State::ResultDelivered
+            || record.expires_at_ms <= crate::store::now_ms()
+        {
+            // Not final yet, or past retention (the store path still replays a record
+            // that gc has not reached; memory keeps nothing past it).
             return;
         }
         let Some(stored) = &record.response else {
