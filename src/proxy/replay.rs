@@ -162,6 +162,9 @@ mod tests {
     use crate::policy::state::Event;
     use crate::store::NewRecord;
 
+    /// An expiry well after the test runs (remember keeps nothing already expired).
+    const LATER: i64 = i64::MAX / 2;
+
     fn delivered(id: &str, expires_at_ms: i64) -> Record {
         let mut r = Record::new(NewRecord {
             id: ExecutionId(id.into()),
@@ -197,7 +200,7 @@ mod tests {
     fn replays_only_delivered_records_with_the_same_bytes_within_retention() {
         let cache = ReplayCache::new(1 << 20);
         let raw = RawDigest([7; 32]);
-        let mut r = delivered("ex_1", 1_000);
+        let mut r = delivered("ex_1", LATER);
         cache.remember(&r, raw);
         assert!(
             cache.replay(&r.id, &raw, 10).is_none(),
@@ -216,7 +219,14 @@ mod tests {
             cache.replay(&r.id, &RawDigest([8; 32]), 10).is_none(),
             "other bytes go to the store path"
         );
-        assert!(cache.replay(&r.id, &raw, 1_000).is_none(), "past retention");
+        assert!(cache.replay(&r.id, &raw, LATER).is_none(), "past retention");
+        let mut expired = delivered("ex_3", crate::store::now_ms() - 1);
+        expired.apply(Event::Deliver, 3, None).expect("deliver");
+        cache.remember(&expired, raw);
+        assert!(
+            cache.replay(&expired.id, &raw, 10).is_none(),
+            "nothing is kept past retention"
+        );
         assert!(cache
             .replay(&ExecutionId("ex_2".into()), &raw, 10)
             .is_none());
@@ -225,14 +235,14 @@ mod tests {
     #[test]
     fn a_zero_budget_keeps_nothing_and_the_budget_bounds_the_cache() {
         let off = ReplayCache::new(0);
-        let mut r = delivered("ex_1", 1_000);
+        let mut r = delivered("ex_1", LATER);
         r.apply(Event::Deliver, 3, None).expect("deliver");
         off.remember(&r, RawDigest([1; 32]));
         assert!(off.replay(&r.id, &RawDigest([1; 32]), 10).is_none());
 
         let small = ReplayCache::new(16 * 1024);
         for i in 0..1_000 {
-            let mut r = delivered(&format!("ex_{i}"), 1_000);
+            let mut r = delivered(&format!("ex_{i}"), LATER);
             r.apply(Event::Deliver, 3, None).expect("deliver");
             small.remember(&r, RawDigest([1; 32]));
         }
