@@ -392,8 +392,8 @@ mod tests {
             self
         }
 
-        fn hash(&self, spec: &FingerprintSpec) -> String {
-            let parts = RequestParts {
+        fn parts(&self) -> RequestParts<'_> {
+            RequestParts {
                 method: &self.method,
                 upstream: self.upstream,
                 route: self.route,
@@ -401,8 +401,11 @@ mod tests {
                 query: self.query,
                 headers: &self.headers,
                 body: &self.body,
-            };
-            args_hash(&parts, spec).0
+            }
+        }
+
+        fn hash(&self, spec: &FingerprintSpec) -> String {
+            args_hash(&self.parts(), spec).0
         }
 
         fn h(&self) -> String {
@@ -410,16 +413,7 @@ mod tests {
         }
 
         fn raw_digest(&self, spec: &FingerprintSpec) -> RawDigest {
-            let parts = RequestParts {
-                method: &self.method,
-                upstream: self.upstream,
-                route: self.route,
-                path: self.path,
-                query: self.query,
-                headers: &self.headers,
-                body: &self.body,
-            };
-            raw_digest(&parts, spec)
+            raw_digest(&self.parts(), spec)
         }
     }
 

@@ -158,30 +158,15 @@ pub fn response_head(stored: &StoredResponse, id: &ExecutionId) -> (StatusCode, 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::identity::{ArgsHash, TenantScope};
     use crate::policy::state::Event;
-    use crate::store::NewRecord;
 
     /// An expiry well after the test runs (remember keeps nothing already expired).
     const LATER: i64 = i64::MAX / 2;
 
     fn delivered(id: &str, expires_at_ms: i64) -> Record {
-        let mut r = Record::new(NewRecord {
-            id: ExecutionId(id.into()),
-            tenant: TenantScope("t".into()),
-            upstream: "mail".into(),
-            route: "send".into(),
-            tool_version: "v1".into(),
-            operation_id: None,
-            args_hash: ArgsHash("a".into()),
-            method: "POST".into(),
-            path: "/send".into(),
-            query: None,
-            path_params: vec![],
-            preview: None,
-            now_ms: 1,
-            expires_at_ms,
-        });
+        let mut r = crate::store::record::tests::sample();
+        r.id = ExecutionId(id.into());
+        r.expires_at_ms = expires_at_ms;
         r.apply(Event::Start, 1, None).expect("start");
         r.response = Some(StoredResponse {
             status: 201,

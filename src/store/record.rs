@@ -307,9 +307,10 @@ mod header_list {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
+    /// A `prepared` record for tests elsewhere in the crate too.
     pub(crate) fn sample() -> Record {
         Record::new(NewRecord {
             id: ExecutionId("ex_test".into()),
