@@ -29,11 +29,8 @@ pub struct Runtime {
     pub config: Arc<Config>,
     /// One pooled client per upstream, same order as `config.upstreams`.
     pub clients: Vec<HttpClient>,
-    /// Delivered answers ready to replay; one per loaded config, shared by the workers.
-    pub replays: Arc<replay::ReplayCache>,
-    /// Turns for keyed side-effect calls past admission (`limits.max_calls_in_flight`),
-    /// shared by the workers like the cache.
-    pub calls: Arc<tokio::sync::Semaphore>,
+    /// What the worker threads' runtimes of this config share.
+    pub shared: Shared,
 }
 
 impl Runtime {
@@ -63,23 +60,18 @@ impl Runtime {
         Ok(Runtime {
             config,
             clients,
-            replays: shared.replays,
-            calls: shared.calls,
+            shared,
         })
-    }
-
-    fn shared(&self) -> Shared {
-        Shared {
-            replays: self.replays.clone(),
-            calls: self.calls.clone(),
-        }
     }
 }
 
 /// What the worker threads' runtimes of one loaded config share.
-struct Shared {
-    replays: Arc<replay::ReplayCache>,
-    calls: Arc<tokio::sync::Semaphore>,
+#[derive(Clone)]
+pub struct Shared {
+    /// Delivered answers ready to replay.
+    pub replays: Arc<replay::ReplayCache>,
+    /// Turns for keyed side-effect calls past admission (`limits.max_calls_in_flight`).
+    pub calls: Arc<tokio::sync::Semaphore>,
 }
 
 /// A running proxy's shared state.
@@ -178,7 +170,7 @@ impl Proxy {
                         // took over 140 MiB). The writer's batches stay full at the bound.
                         let turn = match &admitted {
                             side_effect::Admit::Protected(_) => {
-                                rt.calls.clone().acquire_owned().await.ok()
+                                rt.shared.calls.clone().acquire_owned().await.ok()
                             }
                             _ => None,
                         };
@@ -249,7 +241,7 @@ impl Worker {
             }
         }
         let shared = self.proxy.runtime();
-        let rt = match Runtime::with_clients(shared.config.clone(), shared.shared()) {
+        let rt = match Runtime::with_clients(shared.config.clone(), shared.shared.clone()) {
             Ok(rt) => Arc::new(rt),
             Err(e) => {
                 // The same config built its clients once already; if this thread cannot,

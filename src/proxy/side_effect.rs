@@ -106,7 +106,7 @@ pub async fn admit(
     let tenant = identity::tenant_scope(&parts.headers, &cfg.identity.tenant_from);
     let id = identity::execution_id(&tenant, &target.upstream.name, &route.name, &key);
     let raw = raw_digest(&request_parts(target, &parts, &body), &route.fingerprint);
-    if let Some(resp) = rt.replays.replay(&id, &raw, now_ms()) {
+    if let Some(resp) = rt.shared.replays.replay(&id, &raw, now_ms()) {
         tracing::info!(execution_id = %id, from = "memory", "replayed stored result");
         let labels = Metrics::labels(&target.upstream.name, &route.name);
         proxy.metrics.replays.get_or_create(&labels).inc();
@@ -1151,7 +1151,7 @@ impl Call<'_> {
             return resp;
         }
         let store = self.proxy.store.clone();
-        let replays = self.rt.replays.clone();
+        let replays = self.rt.shared.replays.clone();
         let raw = self.raw;
         let record = r.clone();
         resp.map(move |b| {
@@ -1174,7 +1174,7 @@ impl Call<'_> {
     fn replay(&self, r: &Record) -> Response<ProxyBody> {
         tracing::info!(execution_id = %self.id, from = "store", "replayed stored result");
         self.metrics().replays.get_or_create(&self.labels()).inc();
-        self.rt.replays.remember(r, self.raw);
+        self.rt.shared.replays.remember(r, self.raw);
         self.respond(r, true)
     }
 }
