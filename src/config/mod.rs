@@ -108,6 +108,8 @@ pub struct Upstream {
     /// `http` or `https`.
     pub scheme: http::uri::Scheme,
     pub authority: http::uri::Authority,
+    /// `Host` for the downstream: the authority, as a header value made once.
+    pub host: http::HeaderValue,
     /// Path prefix of the upstream URL (no trailing slash; empty for `/`).
     pub base_path: String,
     /// Proxy path prefix (no trailing slash; empty for `/`).

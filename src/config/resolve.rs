@@ -462,7 +462,16 @@ impl Validator {
                 );
             }
         }
+        // A parsed authority is visible ASCII, so this cannot fail in practice.
+        let Ok(host) = http::HeaderValue::from_str(authority.as_str()) else {
+            self.err(
+                format!("{path}.url"),
+                format!("the host `{authority}` cannot be sent as a Host header"),
+            );
+            return None;
+        };
         Some(Upstream {
+            host,
             ca_file,
             fallback_side_effect: fallback(Class::SideEffect, "unmatched"),
             fallback_read_only: fallback(Class::ReadOnly, "unmatched_read"),

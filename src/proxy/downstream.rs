@@ -12,25 +12,31 @@ use crate::policy::classify::Target;
 use crate::wire::body::ProxyBody;
 use crate::wire::headers;
 
-/// The absolute downstream URI for `rel_path` (+ query) under `upstream`.
+/// The absolute downstream URI for `rel_path_and_query` under `upstream`.
 pub fn uri(upstream: &Upstream, rel_path_and_query: &str) -> Result<Uri, http::Error> {
-    let path = if upstream.base_path.is_empty() {
-        rel_path_and_query.to_string()
-    } else {
-        format!("{}{}", upstream.base_path, rel_path_and_query)
-    };
+    join(upstream, &[rel_path_and_query])
+}
+
+/// The downstream URI of a classified request: the upstream's base path, the path
+/// relative to the mount, and the client's query as it came.
+pub fn target_uri(target: &Target<'_>, query: Option<&str>) -> Result<Uri, http::Error> {
+    match query {
+        Some(q) => join(target.upstream, &[&target.rel_path, "?", q]),
+        None => join(target.upstream, &[&target.rel_path]),
+    }
+}
+
+fn join(upstream: &Upstream, parts: &[&str]) -> Result<Uri, http::Error> {
+    let mut path = String::with_capacity(
+        upstream.base_path.len() + parts.iter().map(|p| p.len()).sum::<usize>(),
+    );
+    path.push_str(&upstream.base_path);
+    parts.iter().for_each(|p| path.push_str(p));
     Uri::builder()
         .scheme(upstream.scheme.clone())
         .authority(upstream.authority.clone())
         .path_and_query(path)
         .build()
-}
-
-pub fn rel_with_query(target: &Target<'_>, query: Option<&str>) -> String {
-    match query {
-        Some(q) => format!("{}?{q}", target.rel_path),
-        None => target.rel_path.clone(),
-    }
 }
 
 /// Copy the client's headers for the downstream: hop-by-hop removed, `Host` and
@@ -57,7 +63,7 @@ pub fn into_request_headers(
         h.remove(*name);
     }
     let original_host = h.remove(http::header::HOST);
-    headers::set_forwarded(&mut h, upstream.authority.as_str(), peer, original_host);
+    headers::set_forwarded(&mut h, &upstream.host, peer, original_host);
     h
 }
 

@@ -25,8 +25,7 @@ pub async fn forward(
     allow_retry: bool,
 ) -> Response<ProxyBody> {
     let (parts, incoming) = req.into_parts();
-    let rel = downstream::rel_with_query(target, parts.uri.query());
-    let uri = match downstream::uri(target.upstream, &rel) {
+    let uri = match downstream::target_uri(target, parts.uri.query()) {
         Ok(u) => u,
         Err(e) => {
             return Problem::new(Kind::BadRequest, format!("cannot build upstream URI: {e}"))

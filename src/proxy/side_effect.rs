@@ -783,8 +783,7 @@ impl Call<'_> {
     fn request(&self, body: Bytes) -> Result<Request<ProxyBody>, String> {
         let route = self.route();
         let upstream = self.target.upstream;
-        let rel = downstream::rel_with_query(self.target, self.parts.uri.query());
-        let uri = downstream::uri(upstream, &rel)
+        let uri = downstream::target_uri(self.target, self.parts.uri.query())
             .map_err(|e| format!("cannot build upstream URI: {e}"))?;
         let mut headers = downstream::request_headers(
             &self.parts.headers,

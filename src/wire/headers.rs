@@ -52,29 +52,63 @@ pub fn is_hop_by_hop(name: &HeaderName) -> bool {
 /// appended to `X-Forwarded-For`.
 pub fn set_forwarded(
     h: &mut HeaderMap,
-    upstream_authority: &str,
+    upstream_host: &HeaderValue,
     client: SocketAddr,
     original_host: Option<HeaderValue>,
 ) {
     if let Some(host) = original_host {
         h.insert(HeaderName::from_static("x-forwarded-host"), host);
     }
-    if let Ok(v) = HeaderValue::from_str(upstream_authority) {
-        h.insert(header::HOST, v);
-    }
-    let ip = client.ip().to_string();
+    h.insert(header::HOST, upstream_host.clone());
+    let mut ip = [0u8; 39];
+    let ip = ip_text(client.ip(), &mut ip);
     let xff = HeaderName::from_static("x-forwarded-for");
-    let value = match h.get(&xff).and_then(|v| v.to_str().ok()) {
-        Some(prev) if !prev.is_empty() => format!("{prev}, {ip}"),
-        _ => ip,
+    let value = match h.get(&xff).map(HeaderValue::as_bytes) {
+        Some(prev) if !prev.is_empty() => HeaderValue::from_bytes(&[prev, b", ", ip].concat()),
+        _ => HeaderValue::from_bytes(ip),
     };
-    if let Ok(v) = HeaderValue::from_str(&value) {
+    if let Ok(v) = value {
         h.insert(xff, v);
     }
     h.insert(
         HeaderName::from_static("x-forwarded-proto"),
         HeaderValue::from_static("http"),
     );
+}
+
+/// `ip` as text in `buf`: IPv4 by hand (every forwarded request formats one, and
+/// `Display` showed in the pass-through profile), IPv6 through `Display`.
+fn ip_text(ip: std::net::IpAddr, buf: &mut [u8; 39]) -> &[u8] {
+    use std::io::Write;
+    match ip {
+        std::net::IpAddr::V4(v4) => {
+            let mut n = 0;
+            for (i, octet) in v4.octets().into_iter().enumerate() {
+                if i > 0 {
+                    buf[n] = b'.';
+                    n += 1;
+                }
+                if octet >= 100 {
+                    buf[n] = b'0' + octet / 100;
+                    n += 1;
+                }
+                if octet >= 10 {
+                    buf[n] = b'0' + octet / 10 % 10;
+                    n += 1;
+                }
+                buf[n] = b'0' + octet % 10;
+                n += 1;
+            }
+            &buf[..n]
+        }
+        std::net::IpAddr::V6(v6) => {
+            let mut cursor = std::io::Cursor::new(&mut buf[..]);
+            // 39 bytes hold the longest IPv6 text form.
+            let _ = write!(cursor, "{v6}");
+            let n = cursor.position() as usize;
+            &buf[..n]
+        }
+    }
 }
 
 #[cfg(test)]
@@ -106,12 +140,30 @@ mod tests {
         h.insert("x-forwarded-for", HeaderValue::from_static("10.0.0.1"));
         set_forwarded(
             &mut h,
-            "api.example.com",
+            &HeaderValue::from_static("api.example.com"),
             "127.0.0.9:5".parse().expect("addr"),
             Some(HeaderValue::from_static("proxy:8080")),
         );
         assert_eq!(h["x-forwarded-for"], "10.0.0.1, 127.0.0.9");
         assert_eq!(h["host"], "api.example.com");
         assert_eq!(h["x-forwarded-host"], "proxy:8080");
+    }
+
+    #[test]
+    fn client_addresses_are_written_as_text() {
+        for ip in [
+            "0.0.0.0",
+            "127.0.0.1",
+            "10.20.30.40",
+            "255.255.255.255",
+            "192.168.100.9",
+            "::1",
+            "2001:db8:85a3::8a2e:370:7334",
+            "ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff",
+        ] {
+            let addr: std::net::IpAddr = ip.parse().expect("ip");
+            let mut buf = [0u8; 39];
+            assert_eq!(ip_text(addr, &mut buf), ip.as_bytes());
+        }
     }
 }
