@@ -13,6 +13,13 @@
 //! other bytes (respelled JSON, other arguments) misses and is judged on the store path,
 //! which answers a changed argument with 422 as before.
 //!
+//! An answer is admitted on its first replay from the store, not when it is first
+//! delivered: most calls are never retried, and caching every first answer filled the
+//! cache (and the proxy's memory) with answers nobody asks for again, evicting the ones
+//! that are being retried. A call that is retried at all is likely retried again (an agent
+//! loop that keeps failing after the call, duplicate deliveries), and from its second retry
+//! on it is answered from memory.
+//!
 //! The cache is bounded by `limits.replay_cache_bytes` (weighted by each answer's size,
 //! evicted by quick_cache's S3-FIFO policy) and belongs to one loaded config: a reload
 //! starts an empty one, since the fingerprint rules of a route may have changed.

@@ -1150,7 +1150,9 @@ impl Call<'_> {
             return resp;
         }
         let store = self.proxy.store.clone();
-        let replays = self.rt.shared.replays.clone();
+        // Only a replayed answer is kept in memory (see `proxy::replay`): most first
+        // answers are never asked for again.
+        let replays = replayed.then(|| self.rt.shared.replays.clone());
         let raw = self.raw;
         let record = r.clone();
         resp.map(move |b| {
@@ -1161,7 +1163,9 @@ impl Call<'_> {
                     if record.apply(Event::Deliver, now_ms(), None).is_ok() {
                         // Best effort: a conflict means another attempt already marked it.
                         if let Ok(delivered) = store.update(record).await {
-                            replays.remember(&delivered, raw);
+                            if let Some(replays) = replays {
+                                replays.remember(&delivered, raw);
+                            }
                         }
                     }
                 });
