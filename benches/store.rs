@@ -66,7 +66,7 @@ fn flag(args: &[String], name: &str) -> anyhow::Result<String> {
 
 fn redb_path(cfg: &Config) -> anyhow::Result<PathBuf> {
     match &cfg.store.backend {
-        StoreBackend::Redb { path } => Ok(path.clone()),
+        StoreBackend::Redb { path, .. } => Ok(path.clone()),
         _ => anyhow::bail!("the bench config must use the redb store"),
     }
 }

@@ -17,8 +17,8 @@ use crate::store::{now_ms, ListFilter, Record, Store, StoredResponse};
 /// Open the store the config names. For redb the file is created if missing.
 pub async fn open_store(cfg: &Config) -> anyhow::Result<Arc<dyn Store>> {
     match &cfg.store.backend {
-        StoreBackend::Redb { path } => {
-            let store = crate::store::redb::RedbStore::open(path)
+        StoreBackend::Redb { path, cache_bytes } => {
+            let store = crate::store::redb::RedbStore::open_with_cache(path, *cache_bytes)
                 .with_context(|| format!("opening redb store {}", path.display()))?;
             Ok(Arc::new(store))
         }
@@ -32,8 +32,8 @@ pub async fn open_store(cfg: &Config) -> anyhow::Result<Arc<dyn Store>> {
 /// transaction open), which a running proxy never has. Startup is that moment.
 async fn open_store_for_serving(cfg: &Config) -> anyhow::Result<Arc<dyn Store>> {
     match &cfg.store.backend {
-        StoreBackend::Redb { path } => {
-            let (store, _) = open_compacted(path.clone(), false).await?;
+        StoreBackend::Redb { path, cache_bytes } => {
+            let (store, _) = open_compacted(path.clone(), *cache_bytes, false).await?;
             Ok(Arc::new(store))
         }
         StoreBackend::Postgres { .. } => open_store(cfg).await,
@@ -44,10 +44,11 @@ async fn open_store_for_serving(cfg: &Config) -> anyhow::Result<Arc<dyn Store>> 
 /// compacts. Blocking work, so it runs off the async threads.
 async fn open_compacted(
     path: std::path::PathBuf,
+    cache_bytes: usize,
     sweep: bool,
 ) -> anyhow::Result<(crate::store::redb::RedbStore, u64)> {
     tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
-        let mut store = crate::store::redb::RedbStore::open(&path)
+        let mut store = crate::store::redb::RedbStore::open_with_cache(&path, cache_bytes)
             .with_context(|| format!("opening redb store {}", path.display()))?;
         let removed = if sweep {
             tokio::runtime::Handle::current().block_on(recovery::sweep(&store))?
@@ -288,12 +289,11 @@ pub async fn resolve(
     Ok(crate::admin::actions::resolve(store, &id, committed, result, by).await?)
 }
 
-/// `idemproxy gc`.
 /// `idemproxy gc`. Offline, a redb file is also compacted after the sweep, so an operator
 /// can give a past peak's space back without waiting for the next start.
 pub async fn gc(cfg: &Config) -> anyhow::Result<u64> {
-    if let StoreBackend::Redb { path } = &cfg.store.backend {
-        let (_, removed) = open_compacted(path.clone(), true).await?;
+    if let StoreBackend::Redb { path, cache_bytes } = &cfg.store.backend {
+        let (_, removed) = open_compacted(path.clone(), *cache_bytes, true).await?;
         return Ok(removed);
     }
     let store = open_store(cfg).await?;

@@ -46,8 +46,15 @@ pub struct AdminConfig {
 
 #[derive(Debug, Clone)]
 pub enum StoreBackend {
-    Redb { path: PathBuf },
-    Postgres { url_env: String, schema: String },
+    Redb {
+        path: PathBuf,
+        /// redb's page cache (`store.cache_bytes`).
+        cache_bytes: usize,
+    },
+    Postgres {
+        url_env: String,
+        schema: String,
+    },
 }
 
 #[derive(Debug, Clone)]
@@ -292,8 +299,13 @@ impl Config {
             let _ = writeln!(out, "admin  {} (token from ${})", a.listen, a.token_env);
         }
         match &self.store.backend {
-            StoreBackend::Redb { path } => {
-                let _ = writeln!(out, "store  redb {}", path.display());
+            StoreBackend::Redb { path, cache_bytes } => {
+                let _ = writeln!(
+                    out,
+                    "store  redb {} (page cache {} MiB)",
+                    path.display(),
+                    cache_bytes >> 20
+                );
             }
             StoreBackend::Postgres { url_env, schema } => {
                 let _ = writeln!(

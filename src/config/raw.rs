@@ -35,6 +35,7 @@ pub struct RawAdmin {
 pub struct RawStore {
     pub backend: Option<String>,
     pub path: Option<String>,
+    pub cache_bytes: Option<u64>,
     pub url_env: Option<String>,
     pub schema: Option<String>,
     pub retention: Option<String>,

@@ -238,6 +238,22 @@ impl Validator {
         })
     }
 
+    /// `store.cache_bytes`: redb needs some pages cached to work at all.
+    fn redb_cache(&mut self, bytes: Option<u64>) -> usize {
+        const MIN: u64 = 1 << 20;
+        match bytes {
+            None => crate::store::redb::DEFAULT_CACHE_BYTES,
+            Some(n) if n < MIN => {
+                self.err(
+                    "store.cache_bytes",
+                    format!("expected at least {MIN} (1 MiB), found {n}"),
+                );
+                crate::store::redb::DEFAULT_CACHE_BYTES
+            }
+            Some(n) => usize::try_from(n).unwrap_or(usize::MAX),
+        }
+    }
+
     fn store(&mut self, s: RawStore) -> StoreConfig {
         let backend = match s.backend.as_deref().unwrap_or("redb") {
             "redb" => {
@@ -246,11 +262,15 @@ impl Validator {
                 }
                 StoreBackend::Redb {
                     path: PathBuf::from(s.path.unwrap_or_else(|| "data/idemproxy.redb".into())),
+                    cache_bytes: self.redb_cache(s.cache_bytes),
                 }
             }
             "postgres" => {
                 if s.path.is_some() {
                     self.err("store.path", "only used with `backend: redb`");
+                }
+                if s.cache_bytes.is_some() {
+                    self.err("store.cache_bytes", "only used with `backend: redb`");
                 }
                 let schema = s.schema.unwrap_or_else(|| "idemproxy".into());
                 if schema.is_empty()
@@ -278,6 +298,7 @@ impl Validator {
                 );
                 StoreBackend::Redb {
                     path: PathBuf::from("data/idemproxy.redb"),
+                    cache_bytes: crate::store::redb::DEFAULT_CACHE_BYTES,
                 }
             }
         };
@@ -323,7 +344,7 @@ impl Validator {
             ),
             // 0 is allowed here: it turns the cache off.
             replay_cache_bytes: l.replay_cache_bytes.unwrap_or(16 * 1024 * 1024),
-            max_calls_in_flight: get("limits.max_calls_in_flight", l.max_calls_in_flight, 256),
+            max_calls_in_flight: get("limits.max_calls_in_flight", l.max_calls_in_flight, 64),
         }
     }
 

@@ -105,3 +105,32 @@ fn reconcile_settle_defaults_to_twice_the_timeout_and_templates_are_checked() {
         "{text}"
     );
 }
+
+#[test]
+fn redb_page_cache_is_set_checked_and_redb_only() {
+    let ups = "upstreams:\n  - name: m\n    url: http://127.0.0.1:1\n    routes:\n      - { name: s, match: { method: POST, path: /s } }\n";
+    let cfg = from_yaml(
+        &format!("store: {{ cache_bytes: 8388608 }}\n{ups}"),
+        Path::new("cfg.yaml"),
+    )
+    .expect("valid");
+    assert!(matches!(
+        cfg.store.backend,
+        StoreBackend::Redb {
+            cache_bytes: 8388608,
+            ..
+        }
+    ));
+    let text = errors(&format!("store: {{ cache_bytes: 1000 }}\n{ups}"));
+    assert!(
+        text.contains("store.cache_bytes: expected at least 1048576 (1 MiB), found 1000"),
+        "{text}"
+    );
+    let text = errors(&format!(
+        "store: {{ backend: postgres, cache_bytes: 8388608 }}\n{ups}"
+    ));
+    assert!(
+        text.contains("store.cache_bytes: only used with `backend: redb`"),
+        "{text}"
+    );
+}

@@ -20,8 +20,8 @@ use self::writer::{Command, Reply, Writer};
 use crate::policy::identity::ExecutionId;
 use crate::store::{Claim, ListFilter, OperationMark, Record, Store, StoreError, StoreResult};
 
-/// redb's page cache (see [`RedbStore::open`]).
-const CACHE_BYTES: usize = 32 << 20;
+/// redb's page cache unless `store.cache_bytes` says otherwise (see [`RedbStore::open`]).
+pub const DEFAULT_CACHE_BYTES: usize = 8 << 20;
 
 /// Counters that show group commit at work: `writes / commits` is the mean batch size.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -73,6 +73,11 @@ impl RedbStore {
     /// Opens (or creates, with its parent directories) the store at `path`. Blocking: a
     /// file left by a crash is repaired here, so call it at startup, not on a hot path.
     pub fn open(path: &Path) -> StoreResult<RedbStore> {
+        Self::open_with_cache(path, DEFAULT_CACHE_BYTES)
+    }
+
+    /// [`RedbStore::open`] with a page cache of `cache_bytes`.
+    pub fn open_with_cache(path: &Path, cache_bytes: usize) -> StoreResult<RedbStore> {
         if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
             std::fs::create_dir_all(parent).map_err(|e| {
                 StoreError::Backend(format!("cannot create directory {}: {e}", parent.display()))
@@ -83,7 +88,7 @@ impl RedbStore {
         // The kernel's page cache holds the file anyway; redb keeps the hot upper B-tree
         // levels in this much, and a miss is one pread from the page cache.
         let db = Database::builder()
-            .set_cache_size(CACHE_BYTES)
+            .set_cache_size(cache_bytes)
             .create(path)
             .map_err(|e| match e {
                 DatabaseError::DatabaseAlreadyOpen => StoreError::Backend(format!(
