@@ -11,6 +11,7 @@
 import argparse
 import json
 import re
+import statistics
 import sys
 
 BEGIN = "<!-- bench:begin (written by benches/run.sh; edits here are overwritten) -->"
@@ -23,7 +24,7 @@ def parse_wrk(a):
     text = sys.stdin.read()
     m = re.search(r"^BENCH_RESULT (.*)$", text, re.M)
     row = {"kind": "wrk", "run": a.run, "group": a.group, "name": a.name,
-           "conns": a.conns, "method": a.method}
+           "conns": a.conns, "method": a.method, "rep": a.rep}
     if not m:
         row["error"] = text.strip()[-400:]
         print(json.dumps(row))
@@ -47,8 +48,41 @@ def verdict(ok):
     return "**met**" if ok else "**not met**"
 
 
+def merge_rounds(rows):
+    """One row per scenario: a scenario measured in several rounds gets the median of each
+    figure, the sums of its counts, and `rounds`, its rows in round order."""
+    by_name = {}
+    for r in rows:
+        if r["kind"] == "wrk":
+            by_name.setdefault(r["name"], []).append(r)
+    wrk = {}
+    for name, rs in by_name.items():
+        ok = [r for r in rs if "rps" in r]
+        if len(rs) == 1 or not ok:
+            wrk[name] = rs[-1]
+            continue
+        m = dict(ok[0])
+        for k in ("rps", "p50_ms", "p90_ms", "p99_ms", "max_ms"):
+            m[k] = statistics.median(r[k] for r in ok)
+        for k in ("requests", "non2xx", "socket_errors"):
+            m[k] = sum(r[k] for r in ok)
+        m["rounds"] = sorted(ok, key=lambda r: r.get("rep", 1))
+        wrk[name] = m
+    return wrk
+
+
+def paired(a, b, f):
+    """f over the rounds of a and b taken side by side (their median), or f of the merged
+    rows when they were not measured in the same rounds."""
+    ra, rb = a.get("rounds"), b.get("rounds")
+    if ra and rb and [r.get("rep") for r in ra] == [r.get("rep") for r in rb]:
+        xs = [f(x, y) for x, y in zip(ra, rb)]
+        return statistics.median(xs), xs
+    return f(a, b), None
+
+
 def render_run(run, rows):
-    wrk = {r["name"]: r for r in rows if r["kind"] == "wrk"}
+    wrk = merge_rounds(rows)
     bases = [r for r in rows if r["kind"] == "baseline"]
     base = None
     if bases:
@@ -95,9 +129,18 @@ def render_run(run, rows):
         if "error" in r:
             out.append(f"| {label} | {r['conns']} | failed: {r['error'][:80]} | | | | |")
             continue
-        out.append(f"| {label} | {r['conns']} | {fmt_rps(r['rps'])} | {r['p50_ms']:.2f} | "
+        rounds = r.get("rounds")
+        rps = fmt_rps(r["rps"])
+        if rounds:
+            rps += f" (median of {' / '.join(fmt_rps(x['rps']) for x in rounds)})"
+        out.append(f"| {label} | {r['conns']} | {rps} | {r['p50_ms']:.2f} | "
                    f"{r['p99_ms']:.2f} | {r['non2xx']} | {r['socket_errors']} |")
     out.append("")
+    if any(r.get("rounds") for r in wrk.values()):
+        n = max(len(r.get("rounds") or []) for r in wrk.values())
+        out += [f"Rows with several figures were measured in {n} rounds, taken in turn with the "
+                "other such rows; the row shows the medians, and the targets below compare "
+                "them round by round.", ""]
 
     if base:
         out += ["One durable commit per state write (same store, sequential, every write "
@@ -153,13 +196,16 @@ def render_run(run, rows):
 
     def ratio_row(name, a, b, need, what):
         if a in wrk and b in wrk and "rps" in wrk[a] and "rps" in wrk[b]:
-            x = wrk[a]["rps"] / wrk[b]["rps"]
-            t.append(f"| {what} ≥ {need}× | {x:.2f}× ({fmt_rps(wrk[a]['rps'])} vs {fmt_rps(wrk[b]['rps'])}) | {verdict(x >= need)} |")
+            x, each = paired(wrk[a], wrk[b], lambda p, q: p["rps"] / q["rps"])
+            per = f"; per round {' / '.join(f'{v:.2f}' for v in each)}" if each else ""
+            t.append(f"| {what} ≥ {need}× | {x:.2f}× ({fmt_rps(wrk[a]['rps'])} vs {fmt_rps(wrk[b]['rps'])}{per}) | {verdict(x >= need)} |")
 
     def p99_row(a, b, what):
         if a in wrk and b in wrk and "p99_ms" in wrk[a] and "p99_ms" in wrk[b]:
             pa, pb = wrk[a]["p99_ms"], wrk[b]["p99_ms"]
-            t.append(f"| {what} p99 ≤ nginx + 0.3 ms | {pa:.2f} ms vs {pb:.2f} ms ({pa - pb:+.2f}) | {verdict(pa <= pb + 0.3)} |")
+            d, each = paired(wrk[a], wrk[b], lambda p, q: p["p99_ms"] - q["p99_ms"])
+            per = f"; per round {' / '.join(f'{v:+.2f}' for v in each)}" if each else ""
+            t.append(f"| {what} p99 ≤ nginx + 0.3 ms | {pa:.2f} ms vs {pb:.2f} ms ({d:+.2f}{per}) | {verdict(d <= 0.3)} |")
 
     ratio_row("get", "idemproxy-get", "nginx-get", 1.0, "pass-through GET throughput vs nginx")
     p99_row("idemproxy-get", "nginx-get", "pass-through GET")
@@ -238,6 +284,7 @@ def main():
         w.add_argument(f, required=True)
     w.add_argument("--run", type=int, required=True)
     w.add_argument("--conns", type=int, required=True)
+    w.add_argument("--rep", type=int, default=1)
     r = sub.add_parser("render")
     r.add_argument("--results", required=True)
     r.add_argument("--doc")

@@ -16,6 +16,7 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 RUNS=${RUNS:-2}
 DURATION=${DURATION:-10}   # seconds per wrk measurement
+REPS=${REPS:-3}            # rounds of the rows compared with nginx, taken in turn
 THREADS=${THREADS:-2}      # wrk threads
 CONNS=${CONNS:-32}         # the common client setting
 CONNS_FIRST=${CONNS_FIRST:-64}
@@ -216,7 +217,7 @@ measure() {
         wrk -t"$THREADS" -c"$conns" -d"${DURATION}s" --latency --timeout 10s \
             -s "$ROOT/benches/wrk/request.lua" "$base" 2>&1) || true
   python3 "$ROOT/benches/report.py" parse-wrk --run "$run" --group "$group" --name "$name" \
-      --conns "$conns" --method "$method" <<<"$out" >> "$RESULTS"
+      --conns "$conns" --method "$method" --rep "${REP:-1}" <<<"$out" >> "$RESULTS"
   log "$(tail -1 "$RESULTS")"
 }
 
@@ -269,16 +270,25 @@ one_run() {
     warm "$U" "/weather?city=paris" GET; warm "$N" "/api/weather?city=paris" GET; warm "$P" "/api/weather?city=paris" GET
     warm "$U" "/echo" POST; warm "$N" "/api/echo" POST; warm "$P" "/api/echo" POST
   fi
-  if want passthrough; then
-    measure "$run" passthrough direct-get "$CONNS" "$U" "/weather?city=paris" GET
-    measure "$run" passthrough nginx-get "$CONNS" "$N" "/api/weather?city=paris" GET
-    measure "$run" passthrough idemproxy-get "$CONNS" "$P" "/api/weather?city=paris" GET
-    measure "$run" passthrough direct-post "$CONNS" "$U" "/echo" POST
-    measure "$run" passthrough nginx-post "$CONNS" "$N" "/api/echo" POST
-    measure "$run" passthrough idemproxy-post "$CONNS" "$P" "/api/echo" POST
-  fi
+  # The rows compared with nginx are taken in turn, REPS rounds of each: a minute of
+  # noise from the machine's other work then lands on every row alike instead of on one,
+  # and the report compares the rows round by round (medians of the per-round ratios).
+  local REP
+  for REP in $(seq 1 "$REPS"); do
+    if want passthrough; then
+      measure "$run" passthrough direct-get "$CONNS" "$U" "/weather?city=paris" GET
+      measure "$run" passthrough nginx-get "$CONNS" "$N" "/api/weather?city=paris" GET
+      measure "$run" passthrough idemproxy-get "$CONNS" "$P" "/api/weather?city=paris" GET
+      measure "$run" passthrough direct-post "$CONNS" "$U" "/echo" POST
+      measure "$run" passthrough nginx-post "$CONNS" "$N" "/api/echo" POST
+      measure "$run" passthrough idemproxy-post "$CONNS" "$P" "/api/echo" POST
+    fi
+    if want durable; then
+      measure "$run" durable replay-post "$CONNS" "$P" "/api/send" POST pool 10000 r
+    fi
+  done
+  REP=1
   if want durable; then
-    measure "$run" durable replay-post "$CONNS" "$P" "/api/send" POST pool 10000 r
     measure "$run" durable first-post-c$CONNS "$CONNS" "$P" "/api/send" POST unique 0 "a$run$RANDOM"
     # The disk is shared too and its fsync latency moves from minute to minute: the
     # one-commit-per-write baseline runs right before and right after the 64-client row,
