@@ -37,6 +37,9 @@ def parse_wrk(a):
         p99_ms=f["p99_us"] / 1000, max_ms=f["max_us"] / 1000,
         non2xx=f["status"], socket_errors=f["connect"] + f["read"] + f["write"] + f["timeout"],
     )
+    if a.cpu_ticks is not None and f["requests"]:
+        # The server under test's user + system CPU over the wrk run, per request.
+        row["cpu_us_per_req"] = a.cpu_ticks / a.clk_tck * 1e6 / f["requests"]
     print(json.dumps(row))
 
 
@@ -62,8 +65,9 @@ def merge_rounds(rows):
             wrk[name] = rs[-1]
             continue
         m = dict(ok[0])
-        for k in ("rps", "p50_ms", "p90_ms", "p99_ms", "max_ms"):
-            m[k] = statistics.median(r[k] for r in ok)
+        for k in ("rps", "p50_ms", "p90_ms", "p99_ms", "max_ms", "cpu_us_per_req"):
+            if all(k in r for r in ok):
+                m[k] = statistics.median(r[k] for r in ok)
         for k in ("requests", "non2xx", "socket_errors"):
             m[k] = sum(r[k] for r in ok)
         m["rounds"] = sorted(ok, key=lambda r: r.get("rep", 1))
@@ -111,8 +115,8 @@ def render_run(run, rows):
     order += sorted((n for n in wrk if re.fullmatch(r"first-post-c\d+", n)),
                     key=lambda n: int(n.rsplit("c", 1)[1]))
     order += [n for n in wrk if n.startswith("rss-")]
-    out += ["| scenario | conns | req/s | p50 ms | p99 ms | non-2xx | socket errors |",
-            "|---|---:|---:|---:|---:|---:|---:|"]
+    out += ["| scenario | conns | req/s | p50 ms | p99 ms | server CPU µs/req | non-2xx | socket errors |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for n in order:
         r = wrk.get(n)
         if not r:
@@ -127,14 +131,15 @@ def render_run(run, rows):
         if n.startswith("rss-first-"):
             label = "idemproxy first executions, POST 512 B (fresh proxy)"
         if "error" in r:
-            out.append(f"| {label} | {r['conns']} | failed: {r['error'][:80]} | | | | |")
+            out.append(f"| {label} | {r['conns']} | failed: {r['error'][:80]} | | | | | |")
             continue
         rounds = r.get("rounds")
         rps = fmt_rps(r["rps"])
         if rounds:
             rps += f" (median of {' / '.join(fmt_rps(x['rps']) for x in rounds)})"
+        cpu = f"{r['cpu_us_per_req']:.1f}" if "cpu_us_per_req" in r else ""
         out.append(f"| {label} | {r['conns']} | {rps} | {r['p50_ms']:.2f} | "
-                   f"{r['p99_ms']:.2f} | {r['non2xx']} | {r['socket_errors']} |")
+                   f"{r['p99_ms']:.2f} | {cpu} | {r['non2xx']} | {r['socket_errors']} |")
     out.append("")
     if any(r.get("rounds") for r in wrk.values()):
         n = max(len(r.get("rounds") or []) for r in wrk.values())
@@ -212,6 +217,13 @@ def render_run(run, rows):
     ratio_row("post", "idemproxy-post", "nginx-post", 1.0, "pass-through POST throughput vs nginx")
     p99_row("idemproxy-post", "nginx-post", "pass-through POST")
     ratio_row("replay", "replay-post", "nginx-post", 1.5, "replays vs nginx pass-through (same POST)")
+    for a, b, what in (("idemproxy-get", "nginx-get", "pass-through GET"),
+                       ("idemproxy-post", "nginx-post", "pass-through POST"),
+                       ("replay-post", "nginx-post", "replays vs nginx POST pass-through")):
+        if all("cpu_us_per_req" in wrk.get(n, {}) for n in (a, b)):
+            x, _ = paired(wrk[a], wrk[b], lambda p, q: p["cpu_us_per_req"] / q["cpu_us_per_req"])
+            t.append(f"| (for information) server CPU per request, {what} | {x:.2f}× "
+                     f"({wrk[a]['cpu_us_per_req']:.1f} vs {wrk[b]['cpu_us_per_req']:.1f} µs) | no target |")
     if "nocache-replay-post" in wrk and "nginx-post" in wrk and "rps" in wrk["nocache-replay-post"]:
         x = wrk["nocache-replay-post"]["rps"] / wrk["nginx-post"]["rps"]
         t.append(f"| (for information) replays with the replay cache off vs nginx pass-through | {x:.2f}× "
@@ -285,6 +297,8 @@ def main():
     w.add_argument("--run", type=int, required=True)
     w.add_argument("--conns", type=int, required=True)
     w.add_argument("--rep", type=int, default=1)
+    w.add_argument("--cpu-ticks", type=int)
+    w.add_argument("--clk-tck", type=int, default=100)
     r = sub.add_parser("render")
     r.add_argument("--results", required=True)
     r.add_argument("--doc")

@@ -205,19 +205,42 @@ start_proxy() {
 
 vmhwm_kib() { awk '/^VmHWM/ {print $2}' "/proc/$1/status"; }
 
+# cpu_ticks PID: user + system clock ticks of a process, its threads and its direct
+# children (nginx's workers), from /proc.
+cpu_ticks() {
+  local total=0 p t
+  for p in "$1" $(pgrep -P "$1" || true); do
+    t=$(awk '{print $14 + $15}' "/proc/$p/stat" 2>/dev/null || echo 0)
+    total=$((total + t))
+  done
+  echo "$total"
+}
+
+# The server whose CPU a row reports: the upstream, nginx or idemproxy, found by port.
+server_pid() {
+  case "$1" in
+    *":$UP_PORT") echo "$UP_PID" ;;
+    *":$NG_PORT") echo "$NG_PID" ;;
+    *) echo "$PX_PID" ;;
+  esac
+}
+
 # --- the client -----------------------------------------------------------------------------
 # measure RUN GROUP NAME CONNS BASE PATH METHOD [keys] [pool] [prefix]: one wrk run, one
-# JSON line in the results.
+# JSON line in the results, with the CPU the server under test used per request.
 measure() {
   local run=$1 group=$2 name=$3 conns=$4 base=$5 path=$6 method=$7 keys=${8:-none} pool=${9:-0} prefix=${10:-k}
   local body=0; [ "$method" = POST ] && body=512
-  local out
+  local out pid t0 t1
+  pid=$(server_pid "$base"); t0=$(cpu_ticks "$pid")
   out=$(BENCH_METHOD=$method BENCH_PATH="$path" BENCH_BODY=$body BENCH_KEYS=$keys \
         BENCH_POOL=$pool BENCH_PREFIX=$prefix \
         wrk -t"$THREADS" -c"$conns" -d"${DURATION}s" --latency --timeout 10s \
             -s "$ROOT/benches/wrk/request.lua" "$base" 2>&1) || true
+  t1=$(cpu_ticks "$pid")
   python3 "$ROOT/benches/report.py" parse-wrk --run "$run" --group "$group" --name "$name" \
-      --conns "$conns" --method "$method" --rep "${REP:-1}" <<<"$out" >> "$RESULTS"
+      --conns "$conns" --method "$method" --rep "${REP:-1}" \
+      --cpu-ticks "$((t1 - t0))" --clk-tck "$(getconf CLK_TCK)" <<<"$out" >> "$RESULTS"
   log "$(tail -1 "$RESULTS")"
 }
 
