@@ -266,11 +266,12 @@ async fn prefill(cfg: &Config, from: u64, to: u64) -> anyhow::Result<serde_json:
 }
 
 /// Live data of the (stopped) proxy's store: record count and their stored bytes (keys +
-/// JSON values of the records table, plus the three index entries per record), against
-/// the file size.
+/// JSON values of the records table, their expiry index entries, and the status index
+/// entries, which delivered records do not have), against the file size.
 fn live(cfg: &Config) -> anyhow::Result<serde_json::Value> {
     use redb::{ReadableDatabase, ReadableTable, TableDefinition};
     const RECORDS: TableDefinition<&str, &[u8]> = TableDefinition::new("records");
+    const BY_STATUS: TableDefinition<(u8, &str), ()> = TableDefinition::new("by_status");
     let path = redb_path(cfg)?;
     let file_bytes = std::fs::metadata(&path)?.len();
     let db = redb::Database::open(&path)?;
@@ -280,8 +281,12 @@ fn live(cfg: &Config) -> anyhow::Result<serde_json::Value> {
     for entry in records.iter()? {
         let (k, v) = entry?;
         n += 1;
-        // Index keys: (u8, id), (i64, id), and no operation id in the bench.
-        bytes += (k.value().len() * 3 + v.value().len() + 1 + 8) as u64;
+        // The record, and its expiry entry (i64, id); no operation ids in the bench.
+        bytes += (k.value().len() * 2 + v.value().len() + 8) as u64;
+    }
+    for entry in txn.open_table(BY_STATUS)?.iter()? {
+        let (k, _) = entry?;
+        bytes += (1 + k.value().1.len()) as u64;
     }
     Ok(json!({
         "kind": "live",

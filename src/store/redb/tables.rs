@@ -16,6 +16,12 @@ use crate::store::{Claim, ListFilter, OperationMark, Record, StoreError, StoreRe
 /// Execution id → [`Record::to_bytes`].
 const RECORDS: TableDefinition<&str, &[u8]> = TableDefinition::new("records");
 /// (state code, execution id): lists by status and finds `executing` records without a scan.
+/// Every state but `result_delivered`: nearly every record ends there, so an entry for it
+/// would be one more insert at a random place per execution (17% of the bytes a first
+/// execution writes, docs/PERFORMANCE.md), and a list of delivered records walks the
+/// records table instead, where they are most of what it holds. Files written before
+/// this kept delivered entries; nothing reads them, and gc removes them with their
+/// records.
 const BY_STATUS: TableDefinition<(u8, &str), ()> = TableDefinition::new("by_status");
 /// (expires_at_ms, execution id): gc walks this from the oldest and stops at `now`.
 const BY_EXPIRY: TableDefinition<(i64, &str), ()> = TableDefinition::new("by_expiry");
@@ -27,6 +33,8 @@ const OPERATIONS: TableDefinition<&str, &[u8]> = TableDefinition::new("operation
 
 /// `State::Executing.code()`, as a constant for index keys (checked by a test below).
 const EXECUTING: u8 = 3;
+/// `State::ResultDelivered.code()`: the state `by_status` does not index.
+const DELIVERED: u8 = 5;
 
 /// A redb failure of any kind. In the writer this aborts the whole batch.
 pub(super) fn storage(e: impl fmt::Display) -> StoreError {
@@ -165,8 +173,8 @@ impl Snapshot {
                     .is_none_or(|op| r.operation_id.as_ref() == Some(op))
         };
         // Walk whichever index narrows the most; each yields ids in id order, which is the
-        // order the cursor needs.
-        if let Some(state) = filter.status {
+        // order the cursor needs. Delivered records are not in the status index.
+        if let Some(state) = filter.status.filter(|s| s.code() != DELIVERED) {
             let by_status = self.txn.open_table(BY_STATUS).map_err(storage)?;
             for id in ids_in_state(&by_status, state.code(), after)? {
                 let id = id?;
@@ -194,9 +202,11 @@ impl Snapshot {
                     break;
                 }
                 let record = load(&records, id)?.ok_or_else(|| dangling("operation", id))?;
-                out.push(record);
-                if out.len() >= filter.limit {
-                    break;
+                if wanted(&record) {
+                    out.push(record);
+                    if out.len() >= filter.limit {
+                        break;
+                    }
                 }
             }
         } else {
@@ -206,9 +216,12 @@ impl Snapshot {
                 .map_err(storage)?;
             for entry in range {
                 let (key, bytes) = entry.map_err(storage)?;
-                out.push(Record::from_bytes(key.value(), bytes.value())?);
-                if out.len() >= filter.limit {
-                    break;
+                let record = Record::from_bytes(key.value(), bytes.value())?;
+                if wanted(&record) {
+                    out.push(record);
+                    if out.len() >= filter.limit {
+                        break;
+                    }
                 }
             }
         }
@@ -425,7 +438,9 @@ impl<'t> WriteTables<'t> {
             if let Some(old) = &old {
                 self.by_status.remove((old.state, id)).map_err(storage)?;
             }
-            self.by_status.insert((code, id), ()).map_err(storage)?;
+            if code != DELIVERED {
+                self.by_status.insert((code, id), ()).map_err(storage)?;
+            }
         }
         if old.as_ref().map(|o| o.expires_at_ms) != Some(new.expires_at_ms) {
             if let Some(old) = &old {
@@ -483,6 +498,8 @@ pub(super) fn table_sizes(db: &Database) -> [u64; 4] {
 
 #[cfg(test)]
 #[test]
-fn executing_code_matches_the_state_machine() {
-    assert_eq!(crate::policy::state::State::Executing.code(), EXECUTING);
+fn index_codes_match_the_state_machine() {
+    use crate::policy::state::State;
+    assert_eq!(State::Executing.code(), EXECUTING);
+    assert_eq!(State::ResultDelivered.code(), DELIVERED);
 }

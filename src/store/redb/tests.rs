@@ -380,6 +380,64 @@ async fn list_filters_and_pages_with_the_cursor() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delivered_records_have_no_status_entry_and_are_listed_from_the_records() {
+    let (_dir, store) = open_temp();
+    let mut delivered = Vec::new();
+    for i in 0..12 {
+        let op = (i % 2 == 0).then_some("op_a");
+        let mut r = executing(record(&format!("ex_{i:02}"), op, 100), None);
+        if i % 3 != 0 {
+            r.apply(Event::Commit, 3, None).expect("commit");
+            r.apply(Event::Deliver, 4, None).expect("deliver");
+            delivered.push(r.id.clone());
+        }
+        insert(&store, r).await;
+    }
+    // The 4 executing records have status entries, the 8 delivered ones none.
+    assert_eq!(tables::table_sizes(&store.shared.db), [12, 4, 12, 6]);
+
+    let mut filter = ListFilter {
+        status: Some(State::ResultDelivered),
+        limit: 3,
+        ..ListFilter::default()
+    };
+    let mut listed = Vec::new();
+    loop {
+        let page = store.list(&filter).await.expect("list");
+        if page.is_empty() {
+            break;
+        }
+        assert!(page.len() <= 3);
+        assert!(page.iter().all(|r| r.state() == State::ResultDelivered));
+        filter.after = page.last().map(|r| r.id.clone());
+        listed.extend(page.into_iter().map(|r| r.id));
+    }
+    assert_eq!(
+        listed, delivered,
+        "every delivered record, in id order, once"
+    );
+
+    let in_op = store
+        .list(&ListFilter {
+            status: Some(State::ResultDelivered),
+            operation: Some("op_a".into()),
+            limit: 100,
+            ..ListFilter::default()
+        })
+        .await
+        .expect("list");
+    let want: Vec<_> = [2, 4, 8, 10]
+        .iter()
+        .map(|i| id(&format!("ex_{i:02}")))
+        .collect();
+    assert_eq!(in_op.into_iter().map(|r| r.id).collect::<Vec<_>>(), want);
+
+    // gc takes the delivered records (expired) and leaves the executing ones.
+    assert_eq!(store.gc(1_000, 100).await.expect("gc"), 8);
+    assert_eq!(tables::table_sizes(&store.shared.db), [4, 4, 4, 2]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stale_executing_and_lease_renewal() {
     let (_dir, store) = open_temp();
     insert(
