@@ -168,7 +168,7 @@ def render_run(run, rows):
             total += p["records"]
             files[total] = p["file_bytes"]
         out += ["Replays against a growing store (random keys over all stored records, "
-                f"{scale[0][1]['conns']} connections):", "",
+                f"{scale[0][1]['conns']} connections, replay cache off: every replay reads the store):", "",
                 "| stored records | file MiB | req/s | p50 ms | p99 ms | non-2xx |",
                 "|---:|---:|---:|---:|---:|---:|"]
         for n, r in scale:
