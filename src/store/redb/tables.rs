@@ -36,6 +36,11 @@ const EXECUTING: u8 = 3;
 /// `State::ResultDelivered.code()`: the state `by_status` does not index.
 const DELIVERED: u8 = 5;
 
+/// Whether records in state `code` have a `by_status` entry (see [`BY_STATUS`]).
+fn status_indexed(code: u8) -> bool {
+    code != DELIVERED
+}
+
 /// A redb failure of any kind. In the writer this aborts the whole batch.
 pub(super) fn storage(e: impl fmt::Display) -> StoreError {
     StoreError::Backend(e.to_string())
@@ -174,7 +179,7 @@ impl Snapshot {
         };
         // Walk whichever index narrows the most; each yields ids in id order, which is the
         // order the cursor needs. Delivered records are not in the status index.
-        if let Some(state) = filter.status.filter(|s| s.code() != DELIVERED) {
+        if let Some(state) = filter.status.filter(|s| status_indexed(s.code())) {
             let by_status = self.txn.open_table(BY_STATUS).map_err(storage)?;
             for id in ids_in_state(&by_status, state.code(), after)? {
                 let id = id?;
@@ -438,7 +443,7 @@ impl<'t> WriteTables<'t> {
             if let Some(old) = &old {
                 self.by_status.remove((old.state, id)).map_err(storage)?;
             }
-            if code != DELIVERED {
+            if status_indexed(code) {
                 self.by_status.insert((code, id), ()).map_err(storage)?;
             }
         }
