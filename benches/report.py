@@ -199,9 +199,15 @@ def render_run(run, rows):
     # Targets, as ratios within this run only.
     t = ["| target | measured | verdict |", "|---|---|---|"]
 
+    def ratio(a, b, key):
+        """The paired ratio of `key` between rows a and b, or None when either lacks it."""
+        if key in wrk.get(a, {}) and key in wrk.get(b, {}):
+            return paired(wrk[a], wrk[b], lambda p, q: p[key] / q[key])
+        return None
+
     def ratio_row(name, a, b, need, what):
-        if a in wrk and b in wrk and "rps" in wrk[a] and "rps" in wrk[b]:
-            x, each = paired(wrk[a], wrk[b], lambda p, q: p["rps"] / q["rps"])
+        if r := ratio(a, b, "rps"):
+            x, each = r
             per = f"; per round {' / '.join(f'{v:.2f}' for v in each)}" if each else ""
             t.append(f"| {what} ≥ {need}× | {x:.2f}× ({fmt_rps(wrk[a]['rps'])} vs {fmt_rps(wrk[b]['rps'])}{per}) | {verdict(x >= need)} |")
 
@@ -220,8 +226,8 @@ def render_run(run, rows):
     for a, b, what in (("idemproxy-get", "nginx-get", "pass-through GET"),
                        ("idemproxy-post", "nginx-post", "pass-through POST"),
                        ("replay-post", "nginx-post", "replays vs nginx POST pass-through")):
-        if all("cpu_us_per_req" in wrk.get(n, {}) for n in (a, b)):
-            x, _ = paired(wrk[a], wrk[b], lambda p, q: p["cpu_us_per_req"] / q["cpu_us_per_req"])
+        if r := ratio(a, b, "cpu_us_per_req"):
+            x, _ = r
             t.append(f"| (for information) server CPU per request, {what} | {x:.2f}× "
                      f"({wrk[a]['cpu_us_per_req']:.1f} vs {wrk[b]['cpu_us_per_req']:.1f} µs) | no target |")
     if "nocache-replay-post" in wrk and "nginx-post" in wrk and "rps" in wrk["nocache-replay-post"]:
