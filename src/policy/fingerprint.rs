@@ -59,15 +59,38 @@ pub fn args_hash(parts: &RequestParts<'_>, spec: &FingerprintSpec) -> ArgsHash {
     ArgsHash(hex::encode(enc.hasher.finalize()))
 }
 
-/// A digest of the request's exact bytes over everything [`args_hash`] reads (method,
-/// names, path, raw query, `Content-Type`, the fingerprinted headers, raw body). Equal raw
-/// digests under one `spec` mean equal `args_hash`es, so a retry that repeats its request
-/// byte for byte can be matched without canonicalising it again (see `proxy::replay`).
-/// The converse does not hold: a respelled request has another raw digest and must be
-/// compared by `args_hash`.
-pub fn raw_digest(parts: &RequestParts<'_>, spec: &FingerprintSpec) -> RawDigest {
+/// Who a call is before its execution id is derived: the idempotency key and the raw
+/// values of the tenant headers ([`identity::tenant_scope`](crate::policy::identity::tenant_scope)
+/// and [`identity::execution_id`](crate::policy::identity::execution_id) read nothing else
+/// beside the upstream and route names).
+pub struct CallScope<'a> {
+    pub key: &'a str,
+    pub tenant_from: &'a [http::HeaderName],
+}
+
+/// A digest of the request's exact bytes over everything [`args_hash`] and the execution
+/// id read: the key and the tenant headers' raw values, method, names, path, raw query,
+/// `Content-Type`, the fingerprinted headers, raw body. Equal raw digests under one `spec`
+/// mean the same execution id and equal `args_hash`es, so a retry that repeats its request
+/// byte for byte can be matched with one hash, without deriving its id or canonicalising
+/// its arguments (see `proxy::replay`). The converse does not hold: a respelled request has
+/// another raw digest and must be compared by `args_hash`.
+pub fn raw_digest(
+    scope: &CallScope<'_>,
+    parts: &RequestParts<'_>,
+    spec: &FingerprintSpec,
+) -> RawDigest {
     let mut enc = Encoder::default();
     enc.bytes(RAW_DOMAIN);
+    enc.bytes(scope.key.as_bytes());
+    enc.count(scope.tenant_from.len());
+    for name in scope.tenant_from {
+        enc.bytes(name.as_str().as_bytes());
+        enc.count(parts.headers.get_all(name).iter().count());
+        for v in parts.headers.get_all(name) {
+            enc.bytes(v.as_bytes());
+        }
+    }
     enc.bytes(parts.method.as_str().as_bytes());
     enc.bytes(parts.upstream.as_bytes());
     enc.bytes(parts.route.as_bytes());
@@ -90,10 +113,10 @@ pub fn raw_digest(parts: &RequestParts<'_>, spec: &FingerprintSpec) -> RawDigest
 }
 
 /// See [`raw_digest`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct RawDigest(pub [u8; 32]);
 
-const RAW_DOMAIN: &[u8] = b"idemproxy/raw_request/v1";
+const RAW_DOMAIN: &[u8] = b"idemproxy/raw_request/v2";
 
 /// Validates a JSON pointer at config load (returns a human message on error).
 pub fn validate_pointer(p: &str) -> Result<(), String> {
@@ -413,12 +436,20 @@ mod tests {
         }
 
         fn raw_digest(&self, spec: &FingerprintSpec) -> RawDigest {
-            raw_digest(&self.parts(), spec)
+            self.raw_digest_as("k1", spec)
+        }
+
+        fn raw_digest_as(&self, key: &str, spec: &FingerprintSpec) -> RawDigest {
+            let scope = CallScope {
+                key,
+                tenant_from: &[http::header::AUTHORIZATION],
+            };
+            raw_digest(&scope, &self.parts(), spec)
         }
     }
 
     #[test]
-    fn raw_digest_covers_every_input_of_args_hash() {
+    fn raw_digest_covers_every_input_of_args_hash_and_the_execution_id() {
         let spec = FingerprintSpec {
             ignore_json: vec![],
             headers: vec![HeaderName::from_static("x-account")],
@@ -459,6 +490,14 @@ mod tests {
         v.headers
             .insert(CONTENT_TYPE, HeaderValue::from_static("text/plain"));
         variants.push(v);
+        // The execution id's inputs: a tenant header (present, then with another value).
+        let mut v = base();
+        v.header("authorization", "Bearer a");
+        variants.push(v);
+        let mut v = base();
+        v.header("authorization", "Bearer b");
+        let other_tenant = v.raw_digest(&spec);
+        variants.push(v);
         for (i, v) in variants.iter().enumerate() {
             assert_ne!(
                 v.raw_digest(&spec),
@@ -466,6 +505,10 @@ mod tests {
                 "variant {i} must change the raw digest"
             );
         }
+        let mut v = base();
+        v.header("authorization", "Bearer a");
+        assert_ne!(v.raw_digest(&spec), other_tenant, "tenants differ");
+        assert_ne!(base().raw_digest_as("k2", &spec), d, "the key changes it");
         // A header outside the fingerprint changes neither.
         let mut v = base();
         v.header("x-trace", "t1");

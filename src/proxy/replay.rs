@@ -2,16 +2,22 @@
 //!
 //! A record in `result_delivered` never changes again: the state machine has no transition
 //! out of it, and the only way it leaves the store is retention (gc deletes records whose
-//! `expires_at` passed). So a copy of its answer, keyed by execution id and dropped at the
-//! same `expires_at`, answers a retry exactly as the store would, whatever backend and
-//! however many instances share it. Only `result_delivered` records are kept: a replay of a
-//! `committed` one must still write `result_delivered`, so it takes the store path.
+//! `expires_at` passed). So a copy of its answer, dropped at the same `expires_at`, answers
+//! a retry exactly as the store would, whatever backend and however many instances share
+//! it. Only `result_delivered` records are kept: a replay of a `committed` one must still
+//! write `result_delivered`, so it takes the store path.
 //!
-//! A hit also skips canonicalising the arguments: the entry keeps the
-//! [`RawDigest`](crate::policy::fingerprint::raw_digest) of the request that replayed or
-//! delivered it, and a retry with the same bytes has the same `args_hash`. A retry with
-//! other bytes (respelled JSON, other arguments) misses and is judged on the store path,
-//! which answers a changed argument with 422 as before.
+//! An entry is keyed by the [`RawDigest`](crate::policy::fingerprint::raw_digest) of the
+//! request that replayed it: one SHA-256 over the key, the tenant headers and the request's
+//! bytes. Equal digests mean the same execution id and the same `args_hash`, so a hit
+//! derives no id and canonicalises nothing. A retry with other bytes (respelled JSON, other
+//! arguments) misses and is judged on the store path, which answers a changed argument
+//! with 422 as before.
+//!
+//! Every replay of an entry reads it from whichever worker thread got the retry, so the
+//! entry is laid out to be cheap to copy out: its headers are a ready `HeaderMap` (cloned,
+//! not rebuilt and rehashed) whose values are slices of one buffer (one reference count
+//! touched for all of them, not one per value).
 //!
 //! An answer is admitted on its first replay from the store, not when it is first
 //! delivered: most calls are never retried, and caching every first answer filled the
@@ -24,8 +30,8 @@
 //! evicted by quick_cache's S3-FIFO policy) and belongs to one loaded config: a reload
 //! starts an empty one, since the fingerprint rules of a route may have changed.
 
-use bytes::Bytes;
-use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
+use bytes::{Bytes, BytesMut};
+use http::{HeaderMap, HeaderValue, Response, StatusCode};
 use quick_cache::sync::Cache;
 use quick_cache::Weighter;
 use std::sync::Arc;
@@ -38,16 +44,13 @@ use crate::wire::body::{self, ProxyBody};
 use crate::wire::headers::{EXECUTION_ID, REPLAYED};
 
 pub struct ReplayCache {
-    entries: Option<Cache<ExecutionId, Arc<Entry>, ByBytes>>,
+    entries: Option<Cache<RawDigest, Arc<Entry>, ByBytes>>,
 }
 
 struct Entry {
-    raw: RawDigest,
     expires_at_ms: i64,
     status: StatusCode,
-    /// As a list, not a map: a `HeaderMap` is over half a kilobyte even for two headers,
-    /// more than most answers; the map is built per replay instead.
-    headers: Box<[(HeaderName, HeaderValue)]>,
+    headers: HeaderMap,
     body: Bytes,
     weight: u64,
 }
@@ -55,16 +58,17 @@ struct Entry {
 #[derive(Clone)]
 struct ByBytes;
 
-impl Weighter<ExecutionId, Arc<Entry>> for ByBytes {
-    fn weight(&self, _id: &ExecutionId, entry: &Arc<Entry>) -> u64 {
+impl Weighter<RawDigest, Arc<Entry>> for ByBytes {
+    fn weight(&self, _raw: &RawDigest, entry: &Arc<Entry>) -> u64 {
         entry.weight
     }
 }
 
-/// Memory per entry beside its bytes: the entry and its Arc, the cache's slot and key.
-const ENTRY_OVERHEAD: u64 = 256;
-/// Per header beside its name and value bytes.
-const HEADER_OVERHEAD: u64 = 64;
+/// Memory per entry beside its bytes: the entry and its Arc, the cache's slot and key, the
+/// header map's index table.
+const ENTRY_OVERHEAD: u64 = 320;
+/// Per header beside its name and value bytes: the map's bucket.
+const HEADER_OVERHEAD: u64 = 112;
 
 impl ReplayCache {
     /// A cache of at most `bytes` (0: none; every replay reads the store).
@@ -76,30 +80,21 @@ impl ReplayCache {
         ReplayCache { entries }
     }
 
-    /// The replayed answer, if `id` is cached with the same request bytes and is still
-    /// within retention.
-    pub fn replay(
-        &self,
-        id: &ExecutionId,
-        raw: &RawDigest,
-        now_ms: i64,
-    ) -> Option<Response<ProxyBody>> {
-        let entry = self.entries.as_ref()?.get(id)?;
-        if entry.raw != *raw || entry.expires_at_ms <= now_ms {
+    /// The replayed answer, if a request with the same raw digest replayed a delivered
+    /// answer before and that answer is still within retention.
+    pub fn replay(&self, raw: &RawDigest, now_ms: i64) -> Option<Response<ProxyBody>> {
+        let entry = self.entries.as_ref()?.get(raw)?;
+        if entry.expires_at_ms <= now_ms {
             return None;
         }
         let mut resp = Response::new(body::full(entry.body.clone()));
         *resp.status_mut() = entry.status;
-        let headers = resp.headers_mut();
-        headers.reserve(entry.headers.len());
-        for (name, value) in entry.headers.iter() {
-            headers.append(name.clone(), value.clone());
-        }
+        *resp.headers_mut() = entry.headers.clone();
         Some(resp)
     }
 
-    /// Keep `record`'s answer if it is delivered (nothing else is final), matched by the
-    /// request bytes `raw` from now on.
+    /// Keep `record`'s answer if it is delivered (nothing else is final), for retries whose
+    /// raw digest is `raw` (the digest of the request that got `record` from the store).
     pub fn remember(&self, record: &Record, raw: RawDigest) {
         let Some(entries) = &self.entries else { return };
         if record.state() != State::ResultDelivered
@@ -114,35 +109,46 @@ impl ReplayCache {
         };
         let (status, mut map) = response_head(stored, &record.id);
         map.insert(REPLAYED, HeaderValue::from_static("true"));
-        let mut headers = Vec::with_capacity(map.len());
-        let mut last = None;
-        for (name, value) in map {
-            // `into_iter` names only the first of a repeated header's values.
-            if let Some(n) = name {
-                last = Some(n);
-            }
-            if let Some(n) = &last {
-                headers.push((n.clone(), value));
-            }
-        }
+        let (headers, body) = one_buffer(&map, &stored.body);
         let weight = ENTRY_OVERHEAD
-            + (record.id.as_str().len() + stored.body.len()) as u64
+            + stored.body.len() as u64
             + headers
                 .iter()
                 .map(|(n, v)| (n.as_str().len() + v.len()) as u64 + HEADER_OVERHEAD)
                 .sum::<u64>();
         entries.insert(
-            record.id.clone(),
+            raw,
             Arc::new(Entry {
-                raw,
                 expires_at_ms: record.expires_at_ms,
                 status,
-                headers: headers.into_boxed_slice(),
-                body: Bytes::from(stored.body.clone()),
+                headers,
+                body,
                 weight,
             }),
         );
     }
+}
+
+/// The same headers, in the same order, and the body, all slices of one buffer.
+fn one_buffer(map: &HeaderMap, body: &[u8]) -> (HeaderMap, Bytes) {
+    let values: usize = map.values().map(|v| v.len()).sum();
+    let mut buf = BytesMut::with_capacity(values + body.len());
+    for v in map.values() {
+        buf.extend_from_slice(v.as_bytes());
+    }
+    buf.extend_from_slice(body);
+    let buf = buf.freeze();
+    let mut out = HeaderMap::with_capacity(map.len());
+    let mut at = 0;
+    for (name, v) in map {
+        let slice = buf.slice(at..at + v.len());
+        at += v.len();
+        // The bytes were a valid header value a moment ago.
+        let mut value = HeaderValue::from_maybe_shared(slice).unwrap_or_else(|_| v.clone());
+        value.set_sensitive(v.is_sensitive());
+        out.append(name.clone(), value);
+    }
+    (out, buf.slice(at..))
 }
 
 /// Status and headers of a stored answer as the client gets them: the downstream's
@@ -195,33 +201,44 @@ mod tests {
         let mut r = delivered("ex_1", LATER);
         cache.remember(&r, raw);
         assert!(
-            cache.replay(&r.id, &raw, 10).is_none(),
+            cache.replay(&raw, 10).is_none(),
             "committed is not final: its replay must write result_delivered"
         );
         r.apply(Event::Deliver, 3, None).expect("deliver");
         cache.remember(&r, raw);
-        let resp = cache.replay(&r.id, &raw, 10).expect("hit");
+        let resp = cache.replay(&raw, 10).expect("hit");
         assert_eq!(resp.status(), StatusCode::CREATED);
         assert_eq!(resp.headers()[EXECUTION_ID], "ex_1");
         assert_eq!(resp.headers()[REPLAYED], "true");
         assert_eq!(resp.headers()["content-type"], "application/json");
         let cookies: Vec<_> = resp.headers().get_all("set-cookie").iter().collect();
         assert_eq!(cookies, ["a=1", "b=2"], "repeated headers kept in order");
+        let names: Vec<_> = resp.headers().keys().map(|n| n.as_str()).collect();
+        assert_eq!(
+            names,
+            ["content-type", "set-cookie", EXECUTION_ID, REPLAYED],
+            "the stored order, then the proxy's own"
+        );
+        let body = futures_util::FutureExt::now_or_never(http_body_util::BodyExt::collect(
+            resp.into_body(),
+        ))
+        .expect("a full body is ready")
+        .expect("no error")
+        .to_bytes();
+        assert_eq!(&body[..], br#"{"id":"msg_1"}"#);
         assert!(
-            cache.replay(&r.id, &RawDigest([8; 32]), 10).is_none(),
+            cache.replay(&RawDigest([8; 32]), 10).is_none(),
             "other bytes go to the store path"
         );
-        assert!(cache.replay(&r.id, &raw, LATER).is_none(), "past retention");
+        assert!(cache.replay(&raw, LATER).is_none(), "past retention");
         let mut expired = delivered("ex_3", crate::store::now_ms() - 1);
         expired.apply(Event::Deliver, 3, None).expect("deliver");
-        cache.remember(&expired, raw);
+        let other = RawDigest([9; 32]);
+        cache.remember(&expired, other);
         assert!(
-            cache.replay(&expired.id, &raw, 10).is_none(),
+            cache.replay(&other, 10).is_none(),
             "nothing is kept past retention"
         );
-        assert!(cache
-            .replay(&ExecutionId("ex_2".into()), &raw, 10)
-            .is_none());
     }
 
     #[test]
@@ -230,20 +247,21 @@ mod tests {
         let mut r = delivered("ex_1", LATER);
         r.apply(Event::Deliver, 3, None).expect("deliver");
         off.remember(&r, RawDigest([1; 32]));
-        assert!(off.replay(&r.id, &RawDigest([1; 32]), 10).is_none());
+        assert!(off.replay(&RawDigest([1; 32]), 10).is_none());
 
         let small = ReplayCache::new(16 * 1024);
+        let digest = |i: u32| {
+            let mut d = [0u8; 32];
+            d[..4].copy_from_slice(&i.to_be_bytes());
+            RawDigest(d)
+        };
         for i in 0..1_000 {
             let mut r = delivered(&format!("ex_{i}"), LATER);
             r.apply(Event::Deliver, 3, None).expect("deliver");
-            small.remember(&r, RawDigest([1; 32]));
+            small.remember(&r, digest(i));
         }
         let kept = (0..1_000)
-            .filter(|i| {
-                small
-                    .replay(&ExecutionId(format!("ex_{i}")), &RawDigest([1; 32]), 10)
-                    .is_some()
-            })
+            .filter(|i| small.replay(&digest(*i), 10).is_some())
             .count();
         assert!(kept > 0 && kept < 100, "kept {kept} entries in 16 KiB");
     }

@@ -23,7 +23,7 @@ use crate::config::{Concurrent, On5xx, Route};
 use crate::failpoint;
 use crate::metrics::{Metrics, RouteLabels};
 use crate::policy::classify::Target;
-use crate::policy::fingerprint::{args_hash, raw_digest, RawDigest, RequestParts};
+use crate::policy::fingerprint::{args_hash, raw_digest, CallScope, RawDigest, RequestParts};
 use crate::policy::identity::{self, ArgsHash, ExecutionId, KeyLookup, TenantScope};
 use crate::policy::reconcile::{self, Plan, Verdict};
 use crate::policy::state::{Event, State};
@@ -32,7 +32,7 @@ use crate::store::{
 };
 use crate::wire::body::{self, BoxError, NotifyOnEnd, ProxyBody};
 use crate::wire::client::{self, HttpClient, SendFailure};
-use crate::wire::headers::{REPLAYED, STATUS};
+use crate::wire::headers::{EXECUTION_ID, REPLAYED, STATUS};
 use crate::wire::problem::{Kind, Problem};
 
 /// What admission decided, before any work that must outlive the client's connection.
@@ -102,12 +102,28 @@ pub async fn admit(
         Ok(b) => b,
         Err(resp) => return Admit::Respond(*resp),
     };
-    // identify
-    let tenant = identity::tenant_scope(&parts.headers, &cfg.identity.tenant_from);
-    let id = identity::execution_id(&tenant, &target.upstream.name, &route.name, &key);
-    let raw = raw_digest(&request_parts(target, &parts, &body), &route.fingerprint);
-    if let Some(resp) = rt.shared.replays.replay(&id, &raw, now_ms()) {
-        tracing::info!(execution_id = %id, from = "memory", "replayed stored result");
+    // A byte-for-byte retry of a delivered call is answered from memory: one digest over
+    // the key, the tenant headers and the request names both its execution id and its
+    // arguments, so nothing else is derived first.
+    let scope = CallScope {
+        key: &key,
+        tenant_from: &cfg.identity.tenant_from,
+    };
+    let raw = raw_digest(
+        &scope,
+        &request_parts(target, &parts, &body),
+        &route.fingerprint,
+    );
+    if let Some(resp) = rt.shared.replays.replay(&raw, now_ms()) {
+        tracing::info!(
+            execution_id = resp
+                .headers()
+                .get(EXECUTION_ID)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or(""),
+            from = "memory",
+            "replayed stored result"
+        );
         let labels = Metrics::labels(&target.upstream.name, &route.name);
         proxy.metrics.replays.get_or_create(&labels).inc();
         proxy
@@ -117,6 +133,9 @@ pub async fn admit(
             .inc();
         return Admit::Respond(failpoint::on_answer(resp));
     }
+    // identify
+    let tenant = identity::tenant_scope(&parts.headers, &cfg.identity.tenant_from);
+    let id = identity::execution_id(&tenant, &target.upstream.name, &route.name, &key);
     let (parts, body) = detach(parts, &body);
     Admit::Protected(Admitted {
         parts,
