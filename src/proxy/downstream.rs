@@ -2,15 +2,13 @@
 //! base path, and headers with hop-by-hop and idempotency headers handled. Shared by the
 //! read-only and side-effect paths so both forward identically.
 
-use std::net::SocketAddr;
-
 use http::header::{HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Uri};
 
 use crate::config::Upstream;
 use crate::policy::classify::Target;
 use crate::wire::body::ProxyBody;
-use crate::wire::headers;
+use crate::wire::headers::{self, ClientAddr};
 
 /// The absolute downstream URI for `rel_path_and_query` under `upstream`.
 pub fn uri(upstream: &Upstream, rel_path_and_query: &str) -> Result<Uri, http::Error> {
@@ -45,7 +43,7 @@ fn join(upstream: &Upstream, parts: &[&str]) -> Result<Uri, http::Error> {
 pub fn request_headers(
     src: &HeaderMap,
     upstream: &Upstream,
-    peer: SocketAddr,
+    peer: &ClientAddr,
     remove: &[&HeaderName],
 ) -> HeaderMap {
     into_request_headers(src.clone(), upstream, peer, remove)
@@ -55,7 +53,7 @@ pub fn request_headers(
 pub fn into_request_headers(
     mut h: HeaderMap,
     upstream: &Upstream,
-    peer: SocketAddr,
+    peer: &ClientAddr,
     remove: &[&HeaderName],
 ) -> HeaderMap {
     headers::strip_hop_by_hop(&mut h);

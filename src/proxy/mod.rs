@@ -9,19 +9,20 @@ pub mod recovery;
 pub mod replay;
 pub mod side_effect;
 
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use http::{Request, Response};
 use hyper::body::Incoming;
 use parking_lot::{Mutex, RwLock};
 
 use crate::config::{Class, Config};
-use crate::policy::classify::Classified;
+use crate::metrics::{Metrics, ReplayCounters};
+use crate::policy::classify::{Classified, RouteRef, Target};
 use crate::store::Store;
 use crate::wire::body::ProxyBody;
 use crate::wire::client::{self, HttpClient};
+use crate::wire::headers::ClientAddr;
 use crate::wire::problem::{Kind, Problem};
 
 /// What a config reload swaps as one unit: the validated config and its clients.
@@ -31,6 +32,9 @@ pub struct Runtime {
     pub clients: Vec<HttpClient>,
     /// What the worker threads' runtimes of this config share.
     pub shared: Shared,
+    /// Per upstream, per route (declared, then the two fallbacks): its replay counters,
+    /// looked up on the route's first replay.
+    replay_counters: Box<[Box<[OnceLock<ReplayCounters>]>]>,
 }
 
 impl Runtime {
@@ -57,11 +61,29 @@ impl Runtime {
             .iter()
             .map(|u| client::build(config.timeouts.connect, u.ca_file.as_deref()))
             .collect::<Result<_, _>>()?;
+        let replay_counters = config
+            .upstreams
+            .iter()
+            .map(|u| (0..u.routes.len() + 2).map(|_| OnceLock::new()).collect())
+            .collect();
         Ok(Runtime {
             config,
             clients,
             shared,
+            replay_counters,
         })
+    }
+
+    /// The replay counters of `target`'s route.
+    pub fn replay_counters(&self, metrics: &Metrics, target: &Target<'_>) -> &ReplayCounters {
+        let routes = &self.replay_counters[target.upstream_index];
+        let slot = match target.route_ref {
+            RouteRef::Declared(i) => i,
+            RouteRef::FallbackSideEffect => routes.len() - 2,
+            RouteRef::FallbackReadOnly => routes.len() - 1,
+        };
+        routes[slot]
+            .get_or_init(|| metrics.replay_counters(&target.upstream.name, &target.route.name))
     }
 }
 
@@ -117,7 +139,7 @@ impl Proxy {
     pub async fn handle(
         self: Arc<Self>,
         req: Request<Incoming>,
-        peer: SocketAddr,
+        peer: ClientAddr,
     ) -> Response<ProxyBody> {
         let rt = self.runtime();
         self.handle_on(rt, req, peer).await
@@ -127,7 +149,7 @@ impl Proxy {
         self: &Arc<Self>,
         rt: Arc<Runtime>,
         req: Request<Incoming>,
-        peer: SocketAddr,
+        peer: ClientAddr,
     ) -> Response<ProxyBody> {
         let cfg = &rt.config;
         // The classification does not borrow the path, so no copy of it is needed.
@@ -156,7 +178,7 @@ impl Proxy {
                 let client = &rt.clients[target.upstream_index];
                 match target.route.class {
                     Class::ReadOnly => {
-                        passthrough::forward(&rt, client, &target, req, peer, true).await
+                        passthrough::forward(&rt, client, &target, req, &peer, true).await
                     }
                     Class::SideEffect => {
                         let admitted = match side_effect::admit(self, &rt, &target, req).await {
@@ -186,12 +208,12 @@ impl Proxy {
                             let target = owned.bind(&rt.config.upstreams);
                             match admitted {
                                 side_effect::Admit::Protected(call) => {
-                                    side_effect::run(&proxy, &rt, &client, &target, call, peer)
+                                    side_effect::run(&proxy, &rt, &client, &target, call, &peer)
                                         .await
                                 }
                                 side_effect::Admit::Unprotected(req) => {
                                     side_effect::unprotected(
-                                        &proxy, &rt, &client, &target, req, peer,
+                                        &proxy, &rt, &client, &target, req, &peer,
                                     )
                                     .await
                                 }
@@ -257,7 +279,7 @@ impl Worker {
     pub async fn handle(
         self: Arc<Self>,
         req: Request<Incoming>,
-        peer: SocketAddr,
+        peer: ClientAddr,
     ) -> Response<ProxyBody> {
         let rt = self.runtime();
         self.proxy.handle_on(rt, req, peer).await

@@ -3,8 +3,6 @@
 //! per the route's `retry`, but only for requests without a body: a streamed body cannot
 //! be sent twice.
 
-use std::net::SocketAddr;
-
 use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use hyper::body::{Body, Incoming};
@@ -14,6 +12,7 @@ use super::Runtime;
 use crate::policy::classify::Target;
 use crate::wire::body::{self, ProxyBody};
 use crate::wire::client::{self, HttpClient};
+use crate::wire::headers::ClientAddr;
 use crate::wire::problem::{Kind, Problem};
 
 pub async fn forward(
@@ -21,7 +20,7 @@ pub async fn forward(
     client: &HttpClient,
     target: &Target<'_>,
     req: Request<Incoming>,
-    peer: SocketAddr,
+    peer: &ClientAddr,
     allow_retry: bool,
 ) -> Response<ProxyBody> {
     let (parts, incoming) = req.into_parts();

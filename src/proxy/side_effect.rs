@@ -8,7 +8,6 @@
 //! too: a call only runs on an approval that covers its arguments and has not expired, and
 //! nothing more is sent under a cancelled operation (SPEC section 8).
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -32,7 +31,7 @@ use crate::store::{
 };
 use crate::wire::body::{self, BoxError, NotifyOnEnd, ProxyBody};
 use crate::wire::client::{self, HttpClient, SendFailure};
-use crate::wire::headers::{EXECUTION_ID, REPLAYED, STATUS};
+use crate::wire::headers::{ClientAddr, EXECUTION_ID, REPLAYED, STATUS};
 use crate::wire::problem::{Kind, Problem};
 
 /// What admission decided, before any work that must outlive the client's connection.
@@ -124,13 +123,7 @@ pub async fn admit(
             from = "memory",
             "replayed stored result"
         );
-        let labels = Metrics::labels(&target.upstream.name, &route.name);
-        proxy.metrics.replays.get_or_create(&labels).inc();
-        proxy
-            .metrics
-            .duplicates_prevented
-            .get_or_create(&labels)
-            .inc();
+        rt.replay_counters(&proxy.metrics, target).replayed();
         return Admit::Respond(failpoint::on_answer(resp));
     }
     // identify
@@ -184,7 +177,7 @@ pub async fn unprotected(
     client: &HttpClient,
     target: &Target<'_>,
     req: Request<Incoming>,
-    peer: SocketAddr,
+    peer: &ClientAddr,
 ) -> Response<ProxyBody> {
     tracing::warn!(upstream = %target.upstream.name, route = %target.route.name, "side effect forwarded without a key (unprotected)");
     proxy
@@ -203,7 +196,7 @@ pub async fn run(
     client: &HttpClient,
     target: &Target<'_>,
     admitted: Admitted,
-    peer: SocketAddr,
+    peer: &ClientAddr,
 ) -> Response<ProxyBody> {
     let Admitted {
         parts,
@@ -284,7 +277,7 @@ struct Call<'a> {
     /// The request's raw digest, for the replay cache.
     raw: RawDigest,
     tenant: TenantScope,
-    peer: SocketAddr,
+    peer: &'a ClientAddr,
 }
 
 /// What to do with an existing record.

@@ -22,6 +22,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot, watch};
 
 use super::body::ProxyBody;
+use super::headers::ClientAddr;
 
 /// How the listener runs.
 #[derive(Clone, Copy, Debug)]
@@ -53,7 +54,7 @@ pub async fn serve<H, F>(
     shutdown: impl Future<Output = ()>,
     grace: Duration,
 ) where
-    H: Fn(Request<Incoming>, SocketAddr) -> F + Clone + Send + Sync + 'static,
+    H: Fn(Request<Incoming>, ClientAddr) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<ProxyBody>> + Send + 'static,
 {
     let builder = http_builder();
@@ -102,11 +103,12 @@ fn spawn_connection<H, F>(
     peer: SocketAddr,
     handler: H,
 ) where
-    H: Fn(Request<Incoming>, SocketAddr) -> F + Clone + Send + Sync + 'static,
+    H: Fn(Request<Incoming>, ClientAddr) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<ProxyBody>> + Send + 'static,
 {
+    let peer = ClientAddr::new(peer);
     let svc = hyper::service::service_fn(move |req| {
-        let fut = handler(req, peer);
+        let fut = handler(req, peer.clone());
         async move { Ok::<_, Infallible>(fut.await) }
     });
     let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
@@ -128,7 +130,7 @@ pub async fn serve_on_workers<M, H, F>(
     options: Options,
 ) where
     M: Fn() -> H,
-    H: Fn(Request<Incoming>, SocketAddr) -> F + Clone + Send + Sync + 'static,
+    H: Fn(Request<Incoming>, ClientAddr) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<ProxyBody>> + Send + 'static,
 {
     let mut queues = Vec::new();
@@ -210,7 +212,7 @@ fn worker<H, F>(
     mut shutdown: watch::Receiver<bool>,
     grace: Duration,
 ) where
-    H: Fn(Request<Incoming>, SocketAddr) -> F + Clone + Send + Sync + 'static,
+    H: Fn(Request<Incoming>, ClientAddr) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<ProxyBody>> + Send + 'static,
 {
     let rt = match tokio::runtime::Builder::new_current_thread()
