@@ -108,10 +108,13 @@ def render_run(run, rows):
         "nginx-post": "nginx reverse proxy, POST 512 B JSON",
         "idemproxy-post": "idemproxy read-only pass-through, POST 512 B JSON",
         "replay-post": "idemproxy replays (10k stored, random keys), POST 512 B",
+        "floor-get": "bare hyper proxy (benches/hyper_floor.rs), GET",
+        "floor-post": "bare hyper proxy (benches/hyper_floor.rs), POST 512 B JSON",
+        "floor-static-post": "bare hyper static answer shaped like a replay, POST 512 B",
         "nocache-replay-post": "idemproxy replays, replay cache off (every replay reads redb), POST 512 B",
     }
-    order = ["direct-get", "nginx-get", "idemproxy-get", "direct-post", "nginx-post",
-             "idemproxy-post", "replay-post", "nocache-replay-post"]
+    order = ["direct-get", "nginx-get", "idemproxy-get", "floor-get", "direct-post", "nginx-post",
+             "idemproxy-post", "floor-post", "replay-post", "floor-static-post", "nocache-replay-post"]
     order += sorted((n for n in wrk if re.fullmatch(r"first-post-c\d+", n)),
                     key=lambda n: int(n.rsplit("c", 1)[1]))
     order += [n for n in wrk if n.startswith("rss-")]
@@ -230,6 +233,22 @@ def render_run(run, rows):
             x, _ = r
             t.append(f"| (for information) server CPU per request, {what} | {x:.2f}× "
                      f"({wrk[a]['cpu_us_per_req']:.1f} vs {wrk[b]['cpu_us_per_req']:.1f} µs) | no target |")
+    # The same targets for bare hyper: how much of each is left once idemproxy's own work
+    # is taken away (benches/hyper_floor.rs).
+    for a, b, what in (("floor-get", "nginx-get", "bare hyper proxy vs nginx, GET"),
+                       ("floor-post", "nginx-post", "bare hyper proxy vs nginx, POST"),
+                       ("floor-static-post", "nginx-post", "bare hyper static answer vs nginx POST pass-through")):
+        if r := ratio(a, b, "rps"):
+            x, each = r
+            per = f"; per round {' / '.join(f'{v:.2f}' for v in each)}" if each else ""
+            t.append(f"| (for information) {what} | {x:.2f}× ({fmt_rps(wrk[a]['rps'])} vs "
+                     f"{fmt_rps(wrk[b]['rps'])}{per}) | no target |")
+    for a, b, what in (("idemproxy-get", "floor-get", "idemproxy pass-through vs bare hyper proxy, GET"),
+                       ("idemproxy-post", "floor-post", "idemproxy pass-through vs bare hyper proxy, POST"),
+                       ("replay-post", "floor-static-post", "idemproxy replays vs bare hyper static answer")):
+        if r := ratio(a, b, "rps"):
+            x, _ = r
+            t.append(f"| (for information) {what} | {x:.2f}× | no target |")
     if "nocache-replay-post" in wrk and "nginx-post" in wrk and "rps" in wrk["nocache-replay-post"]:
         x = wrk["nocache-replay-post"]["rps"] / wrk["nginx-post"]["rps"]
         t.append(f"| (for information) replays with the replay cache off vs nginx pass-through | {x:.2f}× "

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The idemproxy benchmark: one run measures, with the same wrk client settings, the
-# upstream directly, nginx as a keep-alive reverse proxy, and idemproxy (read-only
-# pass-through, first executions, replays), plus the one-commit-per-write baseline, peak
+# upstream directly, nginx as a keep-alive reverse proxy, a bare hyper server and proxy
+# (benches/hyper_floor.rs), and idemproxy (read-only pass-through, first executions,
+# replays), plus the one-commit-per-write baseline, peak
 # RSS with 1,000 connections, replay latency from 1k to 1M stored records, and file growth
 # under churn. Results go to docs/PERFORMANCE.md (between the bench markers).
 #
@@ -49,12 +50,13 @@ fi
 NGINX=$(command -v nginx || echo /usr/sbin/nginx)
 command -v python3 >/dev/null || { echo "python3 is needed for the report" >&2; exit 1; }
 
-log "building (cargo build --release, store bench tool)"
-(cd "$ROOT" && cargo build --release --bins -q)
+log "building (cargo build --release, the hyper floor, store bench tool)"
+(cd "$ROOT" && cargo build --release --bins -q && cargo build --release --example hyper_floor -q)
 STORE_TOOL=$(cd "$ROOT" && cargo bench --bench store --no-run 2>&1 | sed -n 's/.*(\(target\/release\/deps\/store-[0-9a-f]*\)).*/\1/p' | tail -1)
 [ -n "$STORE_TOOL" ] || { echo "cannot find the store bench binary" >&2; exit 1; }
 STORE_TOOL="$ROOT/$STORE_TOOL"
 PROXY_BIN="$ROOT/target/release/idemproxy"
+FLOOR_BIN="$ROOT/target/release/examples/hyper_floor"
 
 WORK=$(mktemp -d /tmp/idemproxy-bench.XXXXXX)
 RESULTS="$WORK/results.jsonl"
@@ -162,6 +164,19 @@ EOF
   wait_port "$NG_PORT"
 }
 
+# --- the hyper floor ------------------------------------------------------------------------
+# What hyper costs with nothing of idemproxy's around it, on the same machine in the same
+# run: a static answer shaped like a replay, and a bare proxy (benches/hyper_floor.rs).
+# Same worker threads as idemproxy.
+start_floor() {
+  FS_PORT=$(free_port); FP_PORT=$(free_port)
+  "$FLOOR_BIN" static --port "$FS_PORT" > /dev/null &
+  FS_PID=$!; PIDS+=("$FS_PID")
+  "$FLOOR_BIN" proxy --port "$FP_PORT" --upstream "127.0.0.1:$UP_PORT" --mount /api > /dev/null &
+  FP_PID=$!; PIDS+=("$FP_PID")
+  wait_port "$FS_PORT"; wait_port "$FP_PORT"
+}
+
 # --- idemproxy -----------------------------------------------------------------------------
 # write_config NAME [retention] [gc_interval] [replay_cache_bytes]: /api/weather (GET) and /api/echo (POST) are
 # read-only pass-through; /api/send is a side effect, keyed by Idempotency-Key.
@@ -221,6 +236,8 @@ server_pid() {
   case "$1" in
     *":$UP_PORT") echo "$UP_PID" ;;
     *":$NG_PORT") echo "$NG_PID" ;;
+    *":${FS_PORT:-none}") echo "$FS_PID" ;;
+    *":${FP_PORT:-none}") echo "$FP_PID" ;;
     *) echo "$PX_PID" ;;
   esac
 }
@@ -282,7 +299,9 @@ one_run() {
   log "run $run: starting upstream and nginx"
   start_upstream
   start_nginx_proxy
+  start_floor
   local U="http://127.0.0.1:$UP_PORT" N="http://127.0.0.1:$NG_PORT"
+  local FS="http://127.0.0.1:$FS_PORT" FP="http://127.0.0.1:$FP_PORT"
 
   if want passthrough || want durable; then
     local cfg; cfg=$(write_config "main-$run")
@@ -292,6 +311,7 @@ one_run() {
     local P="http://127.0.0.1:$PX_PORT" MAIN_PID=$PX_PID
     warm "$U" "/weather?city=paris" GET; warm "$N" "/api/weather?city=paris" GET; warm "$P" "/api/weather?city=paris" GET
     warm "$U" "/echo" POST; warm "$N" "/api/echo" POST; warm "$P" "/api/echo" POST
+    warm "$FP" "/api/weather?city=paris" GET; warm "$FS" "/api/send" POST
   fi
   # The rows compared with nginx are taken in turn, REPS rounds of each: a minute of
   # noise from the machine's other work then lands on every row alike instead of on one,
@@ -302,12 +322,15 @@ one_run() {
       measure "$run" passthrough direct-get "$CONNS" "$U" "/weather?city=paris" GET
       measure "$run" passthrough nginx-get "$CONNS" "$N" "/api/weather?city=paris" GET
       measure "$run" passthrough idemproxy-get "$CONNS" "$P" "/api/weather?city=paris" GET
+      measure "$run" passthrough floor-get "$CONNS" "$FP" "/api/weather?city=paris" GET
       measure "$run" passthrough direct-post "$CONNS" "$U" "/echo" POST
       measure "$run" passthrough nginx-post "$CONNS" "$N" "/api/echo" POST
       measure "$run" passthrough idemproxy-post "$CONNS" "$P" "/api/echo" POST
+      measure "$run" passthrough floor-post "$CONNS" "$FP" "/api/echo" POST
     fi
     if want durable; then
       measure "$run" durable replay-post "$CONNS" "$P" "/api/send" POST pool 10000 r
+      measure "$run" durable floor-static-post "$CONNS" "$FS" "/api/send" POST pool 10000 r
     fi
   done
   REP=1
@@ -395,6 +418,8 @@ one_run() {
     record "$(python3 -c 'import json,sys; d=json.loads(sys.argv[1]); d.update(run=int(sys.argv[2]), kind="churn", max_file_bytes=int(sys.argv[3]), file_after_restart=int(sys.argv[4]), seconds=int(sys.argv[5]), file_at_end=int(sys.argv[6]), sizes=[int(x) for x in sys.argv[7].split(",") if x]); print(json.dumps(d))' "$live" "$run" "$max" "$after" "$CHURN_SECONDS" "$end_size" "$sizes")"
   fi
 
+  stop_pid "$FS_PID"
+  stop_pid "$FP_PID"
   stop_pid "$NG_PID"
   stop_pid "$UP_PID"
 }

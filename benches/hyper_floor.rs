@@ -1,0 +1,186 @@
+//! The least a hyper server can cost on this machine: a reference for benches/run.sh, not
+//! part of the proxy. It runs the way idemproxy's listener does (one single-threaded tokio
+//! runtime per worker thread, mimalloc, the release profile) and does nothing else:
+//!
+//!   hyper_floor static --port P
+//!       answers every request with the replay row's answer (201, a small JSON body and
+//!       the headers a replay carries), after reading the request body: what a replay
+//!       from memory would cost if finding the answer were free.
+//!   hyper_floor proxy --port P --upstream HOST:PORT --mount /api
+//!       forwards every request to the upstream with the mount stripped and `Host` and
+//!       `X-Forwarded-For` set, over one upstream connection per client connection (no
+//!       pool, no routing, no header hygiene, no timeouts, no retries, no TLS): what a
+//!       hyper pass-through costs with all of idemproxy's policy taken away.
+//!
+//! `IDEMPROXY_WORKERS` sets the worker threads, as for idemproxy (default: one per CPU).
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::header::{HeaderValue, CONTENT_TYPE, HOST};
+use http::{Request, Response, StatusCode, Uri};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioIo, TokioTimer};
+
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+const ANSWER: &[u8] = br#"{"id":"msg_1","status":"queued"}"#;
+
+#[derive(Clone)]
+enum Mode {
+    Static,
+    Proxy {
+        upstream: SocketAddr,
+        host: HeaderValue,
+        mount: Arc<str>,
+    },
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let arg = |name: &str| {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1))
+            .cloned()
+    };
+    let usage =
+        "usage: hyper_floor static --port P | proxy --port P --upstream HOST:PORT --mount /api";
+    let port: u16 = arg("--port").and_then(|p| p.parse().ok()).expect(usage);
+    let mode = match args.get(1).map(String::as_str) {
+        Some("static") => Mode::Static,
+        Some("proxy") => {
+            let upstream = arg("--upstream").expect(usage);
+            Mode::Proxy {
+                host: HeaderValue::from_str(&upstream).expect("upstream host"),
+                upstream: upstream.parse().expect("upstream HOST:PORT"),
+                mount: arg("--mount").unwrap_or_default().into(),
+            }
+        }
+        _ => panic!("{usage}"),
+    };
+    let workers = std::env::var("IDEMPROXY_WORKERS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|n| *n > 0)
+        .or_else(|| std::thread::available_parallelism().map(|n| n.get()).ok())
+        .unwrap_or(1);
+    let listener = std::net::TcpListener::bind(("127.0.0.1", port)).expect("bind");
+    listener.set_nonblocking(true).expect("nonblocking");
+    println!("hyper_floor listening on 127.0.0.1:{port}");
+    let threads: Vec<_> = (0..workers)
+        .map(|_| {
+            let listener = listener.try_clone().expect("listener");
+            let mode = mode.clone();
+            std::thread::spawn(move || worker(listener, mode))
+        })
+        .collect();
+    for t in threads {
+        let _ = t.join();
+    }
+}
+
+/// One thread, one single-threaded runtime, accepting from the shared listener.
+fn worker(listener: std::net::TcpListener, mode: Mode) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::from_std(listener).expect("listener");
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            let _ = stream.set_nodelay(true);
+            let mode = mode.clone();
+            tokio::spawn(async move {
+                match mode {
+                    Mode::Static => {
+                        let svc = hyper::service::service_fn(answer);
+                        let _ = http1().serve_connection(TokioIo::new(stream), svc).await;
+                    }
+                    Mode::Proxy {
+                        upstream,
+                        host,
+                        mount,
+                    } => proxy_connection(stream, upstream, host, mount).await,
+                }
+            });
+        }
+    });
+}
+
+fn http1() -> hyper::server::conn::http1::Builder {
+    let mut b = hyper::server::conn::http1::Builder::new();
+    b.timer(TokioTimer::new());
+    b
+}
+
+async fn answer(req: Request<Incoming>) -> Result<Response<Full<Bytes>>, Infallible> {
+    // Read the body, as a replay must before it can know what it is answering.
+    let _ = req.into_body().collect().await;
+    let mut resp = Response::new(Full::new(Bytes::from_static(ANSWER)));
+    *resp.status_mut() = StatusCode::CREATED;
+    let h = resp.headers_mut();
+    h.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    h.insert(
+        "idempotency-execution-id",
+        HeaderValue::from_static("ex_rWKbIzm8kUrHeVgxPbR8t4Tb"),
+    );
+    h.insert("idempotent-replayed", HeaderValue::from_static("true"));
+    Ok(resp)
+}
+
+/// Serve one client connection over one upstream connection of its own.
+async fn proxy_connection(
+    stream: tokio::net::TcpStream,
+    upstream: SocketAddr,
+    host: HeaderValue,
+    mount: Arc<str>,
+) {
+    let Ok(up) = tokio::net::TcpStream::connect(upstream).await else {
+        return;
+    };
+    let _ = up.set_nodelay(true);
+    let Ok((sender, conn)) = hyper::client::conn::http1::handshake(TokioIo::new(up)).await else {
+        return;
+    };
+    tokio::spawn(conn);
+    // hyper serves a connection's requests one at a time, so this lock is never contended.
+    let sender = Arc::new(tokio::sync::Mutex::new(sender));
+    let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
+        let sender = sender.clone();
+        let host = host.clone();
+        let mount = mount.clone();
+        async move {
+            let (mut parts, body) = req.into_parts();
+            let pq = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+            let rel = pq.strip_prefix(&*mount).unwrap_or(pq);
+            parts.uri = Uri::try_from(rel).unwrap_or_else(|_| Uri::from_static("/"));
+            parts.headers.insert(HOST, host);
+            parts
+                .headers
+                .insert("x-forwarded-for", HeaderValue::from_static("127.0.0.1"));
+            let mut sender = sender.lock().await;
+            let resp = match sender.send_request(Request::from_parts(parts, body)).await {
+                Ok(resp) => resp.map(|b| b.boxed()),
+                Err(_) => {
+                    let mut r = Response::new(
+                        Full::new(Bytes::new())
+                            .map_err(|never: Infallible| match never {})
+                            .boxed(),
+                    );
+                    *r.status_mut() = StatusCode::BAD_GATEWAY;
+                    r
+                }
+            };
+            Ok::<_, Infallible>(resp)
+        }
+    });
+    let _ = http1().serve_connection(TokioIo::new(stream), svc).await;
+}
