@@ -40,10 +40,11 @@ pub async fn forward(
         1
     };
     // Each attempt sends its own copy; the common single attempt moves the client's map
-    // (a copy per request showed in the pass-through profile).
+    // and the URI (copies per request showed in the pass-through profile).
     let headers =
         downstream::into_request_headers(parts.headers, target.upstream, peer, &[key_header]);
     let mut headers = Some(headers);
+    let mut uri = Some(uri);
     let mut incoming = Some(incoming);
     let mut backoff = route.retry.backoff;
     for attempt in 1..=attempts {
@@ -52,12 +53,18 @@ pub async fn forward(
             _ => body::empty(),
         };
         let last = attempt == attempts;
-        let attempt_headers = if last {
-            headers.take().expect("only the last attempt takes the map")
+        let (attempt_uri, attempt_headers) = if last {
+            (
+                uri.take().expect("only the last attempt takes the URI"),
+                headers.take().expect("only the last attempt takes the map"),
+            )
         } else {
-            headers.clone().expect("present until the last attempt")
+            (
+                uri.clone().expect("present until the last attempt"),
+                headers.clone().expect("present until the last attempt"),
+            )
         };
-        let req = downstream::build(parts.method.clone(), uri.clone(), attempt_headers, req_body);
+        let req = downstream::build(parts.method.clone(), attempt_uri, attempt_headers, req_body);
         let outcome = tokio::time::timeout(route.timeout, client.request(req)).await;
         match outcome {
             Ok(Ok(resp)) => {

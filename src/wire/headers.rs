@@ -12,15 +12,17 @@ pub const STATUS: &str = "idempotency-status";
 /// On a result that came from a reconciliation lookup rather than the original answer.
 pub const RECONCILED: &str = "idempotency-reconciled";
 
-const HOP_BY_HOP: [HeaderName; 8] = [
-    header::CONNECTION,
-    HeaderName::from_static("keep-alive"),
-    HeaderName::from_static("proxy-connection"),
-    header::PROXY_AUTHENTICATE,
-    header::PROXY_AUTHORIZATION,
-    header::TE,
-    header::TRAILER,
-    header::TRANSFER_ENCODING,
+/// The hop-by-hop headers (RFC 9110 section 7.6.1 and the common non-standard ones).
+const HOP_BY_HOP: [&str; 9] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
 ];
 
 /// Remove hop-by-hop headers, including every header the `Connection` header names.
@@ -37,13 +39,17 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap) {
         }
     }
     if connection {
+        // Tokens that name a hop-by-hop header (`keep-alive`, `close`, `upgrade`) are
+        // skipped before a name is made of them: a name not known to `http` is an
+        // allocation.
         let named: Vec<HeaderName> = h
             .get_all(header::CONNECTION)
             .iter()
             .filter_map(|v| v.to_str().ok())
             .flat_map(|v| v.split(','))
-            .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
-            .filter(|n| !is_hop_by_hop(n))
+            .map(str::trim)
+            .filter(|t| !t.eq_ignore_ascii_case("close") && !names_hop_by_hop(t))
+            .filter_map(|t| HeaderName::from_bytes(t.as_bytes()).ok())
             .collect();
         if !named.is_empty() {
             found.extend(h.keys().filter(|k| named.contains(k)).cloned());
@@ -55,7 +61,25 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap) {
 }
 
 pub fn is_hop_by_hop(name: &HeaderName) -> bool {
-    HOP_BY_HOP.contains(name) || name == header::UPGRADE
+    // Names are lower case; a `match` on the text is a length check and a compare or two,
+    // where comparing `HeaderName`s was a dozen calls per header on every request.
+    matches!(
+        name.as_str(),
+        "connection"
+            | "keep-alive"
+            | "proxy-connection"
+            | "proxy-authenticate"
+            | "proxy-authorization"
+            | "te"
+            | "trailer"
+            | "transfer-encoding"
+            | "upgrade"
+    )
+}
+
+/// [`is_hop_by_hop`] for a header name as written in a `Connection` header (any case).
+fn names_hop_by_hop(token: &str) -> bool {
+    HOP_BY_HOP.iter().any(|n| n.eq_ignore_ascii_case(token))
 }
 
 /// A client connection's address, with the text `X-Forwarded-For` gets made once per
@@ -166,6 +190,18 @@ mod tests {
                 None,
             );
             assert_eq!(h["x-forwarded-for"], ip);
+        }
+    }
+
+    #[test]
+    fn the_name_match_and_the_list_agree() {
+        for n in HOP_BY_HOP {
+            assert!(is_hop_by_hop(&HeaderName::from_static(n)), "{n}");
+            assert!(names_hop_by_hop(&n.to_ascii_uppercase()), "{n}");
+        }
+        for n in ["x-keep", "content-type", "host", "tee"] {
+            assert!(!is_hop_by_hop(&HeaderName::from_static(n)), "{n}");
+            assert!(!names_hop_by_hop(n), "{n}");
         }
     }
 
