@@ -17,6 +17,7 @@
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{HeaderValue, CONTENT_TYPE, HOST};
@@ -24,6 +25,7 @@ use http::{Request, Response, StatusCode, Uri};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
+use idemproxy::wire::server::Options;
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -63,12 +65,8 @@ fn main() {
         }
         _ => panic!("{usage}"),
     };
-    let workers = std::env::var("IDEMPROXY_WORKERS")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .filter(|n| *n > 0)
-        .or_else(|| std::thread::available_parallelism().map(|n| n.get()).ok())
-        .unwrap_or(1);
+    // The proxy's own rule for its worker threads.
+    let workers = Options::from_env(Duration::ZERO).workers;
     let listener = std::net::TcpListener::bind(("127.0.0.1", port)).expect("bind");
     listener.set_nonblocking(true).expect("nonblocking");
     println!("hyper_floor listening on 127.0.0.1:{port}");

@@ -226,29 +226,36 @@ def render_run(run, rows):
     ratio_row("post", "idemproxy-post", "nginx-post", 1.0, "pass-through POST throughput vs nginx")
     p99_row("idemproxy-post", "nginx-post", "pass-through POST")
     ratio_row("replay", "replay-post", "nginx-post", 1.5, "replays vs nginx pass-through (same POST)")
+    def info_row(a, b, what, key, figures):
+        """A row with no target: the paired ratio of `key` between rows a and b, then
+        `figures(a_row, b_row)` (empty for the ratio alone)."""
+        if r := ratio(a, b, key):
+            x, each = r
+            shown = figures(wrk[a], wrk[b])
+            if shown and each and key == "rps":
+                shown += f"; per round {' / '.join(f'{v:.2f}' for v in each)}"
+            t.append(f"| (for information) {what} | {x:.2f}×{f' ({shown})' if shown else ''} | no target |")
+
+    def cpu(p, q):
+        return f"{p['cpu_us_per_req']:.1f} vs {q['cpu_us_per_req']:.1f} µs"
+
+    def rps(p, q):
+        return f"{fmt_rps(p['rps'])} vs {fmt_rps(q['rps'])}"
+
     for a, b, what in (("idemproxy-get", "nginx-get", "pass-through GET"),
                        ("idemproxy-post", "nginx-post", "pass-through POST"),
                        ("replay-post", "nginx-post", "replays vs nginx POST pass-through")):
-        if r := ratio(a, b, "cpu_us_per_req"):
-            x, _ = r
-            t.append(f"| (for information) server CPU per request, {what} | {x:.2f}× "
-                     f"({wrk[a]['cpu_us_per_req']:.1f} vs {wrk[b]['cpu_us_per_req']:.1f} µs) | no target |")
+        info_row(a, b, f"server CPU per request, {what}", "cpu_us_per_req", cpu)
     # The same targets for bare hyper: how much of each is left once idemproxy's own work
-    # is taken away (benches/hyper_floor.rs).
+    # is taken away (benches/hyper_floor.rs), and how far idemproxy is from it.
     for a, b, what in (("floor-get", "nginx-get", "bare hyper proxy vs nginx, GET"),
                        ("floor-post", "nginx-post", "bare hyper proxy vs nginx, POST"),
                        ("floor-static-post", "nginx-post", "bare hyper static answer vs nginx POST pass-through")):
-        if r := ratio(a, b, "rps"):
-            x, each = r
-            per = f"; per round {' / '.join(f'{v:.2f}' for v in each)}" if each else ""
-            t.append(f"| (for information) {what} | {x:.2f}× ({fmt_rps(wrk[a]['rps'])} vs "
-                     f"{fmt_rps(wrk[b]['rps'])}{per}) | no target |")
+        info_row(a, b, what, "rps", rps)
     for a, b, what in (("idemproxy-get", "floor-get", "idemproxy pass-through vs bare hyper proxy, GET"),
                        ("idemproxy-post", "floor-post", "idemproxy pass-through vs bare hyper proxy, POST"),
                        ("replay-post", "floor-static-post", "idemproxy replays vs bare hyper static answer")):
-        if r := ratio(a, b, "rps"):
-            x, _ = r
-            t.append(f"| (for information) {what} | {x:.2f}× | no target |")
+        info_row(a, b, what, "rps", lambda p, q: "")
     if "nocache-replay-post" in wrk and "nginx-post" in wrk and "rps" in wrk["nocache-replay-post"]:
         x = wrk["nocache-replay-post"]["rps"] / wrk["nginx-post"]["rps"]
         t.append(f"| (for information) replays with the replay cache off vs nginx pass-through | {x:.2f}× "
