@@ -1,63 +1,94 @@
-//! The downstream client: one pooled hyper client per upstream, rustls with certificate
-//! verification always on (webpki roots plus an optional CA file), HTTP/1.1 and HTTP/2 by
-//! ALPN. Also the one place that decides whether a send failure happened before any byte
-//! left ([`SendFailure::BeforeSend`]) or after ([`SendFailure::AfterSend`]).
+//! The downstream client: one client per upstream per server worker thread, rustls with
+//! certificate verification always on (webpki roots plus an optional CA file), HTTP/1.1
+//! and HTTP/2 by ALPN. Also the one place that decides whether a send failure happened
+//! before any byte left ([`SendFailure::BeforeSend`]) or after ([`SendFailure::AfterSend`]).
+//!
+//! `https://` upstreams go through hyper-util's pooled client (TLS, ALPN, HTTP/2).
+//! `http://` upstreams (a sidecar, a service on the same network) go through [`Http1Pool`],
+//! this client's own HTTP/1.1 connections over `hyper::client::conn`: the pooled client's
+//! checkout, SipHashed pool keys, lazy connect future and per-response return task were
+//! about 11k of a pass-through's 43k instructions (docs/PERFORMANCE.md, item 21).
 
 use std::path::Path;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use http::uri::{Authority, PathAndQuery, Scheme};
+use http::Uri;
 use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
+use hyper::client::conn::http1;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
+use hyper_util::rt::{TokioExecutor, TokioIo};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::CertificateDer;
 
-use super::body::ProxyBody;
+use super::body::{BoxError, ProxyBody};
 
-/// A pooled client for one upstream, with a cap on the requests it has in flight (and so
-/// on its connections). Without the cap, 1,000 concurrent clients opened over 1,100
-/// upstream connections and their buffers alone put the proxy past 64 MiB.
+/// A client for one upstream, with a cap on the requests it has in flight (and so on its
+/// connections). Without the cap, 1,000 concurrent clients opened over 1,100 upstream
+/// connections and their buffers alone put the proxy past 64 MiB.
 #[derive(Clone)]
 pub struct HttpClient {
-    inner: Client<HttpsConnector<HttpConnector>, ProxyBody>,
+    tls: Client<HttpsConnector<HttpConnector>, ProxyBody>,
+    plain: Arc<Http1Pool>,
     permits: Arc<Semaphore>,
 }
 
 /// Requests in flight per upstream per server worker thread (each has its own clients).
 pub const MAX_IN_FLIGHT: usize = 128;
+/// How long an idle connection is kept for reuse.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 
 impl HttpClient {
-    /// Sends `req` once a slot is free. The slot is held until the response body has been
-    /// read to its end or dropped, since the connection stays busy until then.
+    /// Sends `req` (absolute URI) once a slot is free. The slot is held until the response
+    /// body has been read to its end or dropped, since the connection stays busy until then.
     pub async fn request(
         &self,
         req: http::Request<ProxyBody>,
-    ) -> Result<http::Response<Held<Incoming>>, hyper_util::client::legacy::Error> {
+    ) -> Result<http::Response<Held>, SendError> {
         // The semaphore is never closed, so acquiring only waits.
         let permit = self.permits.clone().acquire_owned().await.ok();
-        let resp = self.inner.request(req).await?;
-        Ok(resp.map(|body| Held { body, permit }))
+        if req.uri().scheme() == Some(&Scheme::HTTP) {
+            let (resp, conn) = self.plain.send(req).await?;
+            return Ok(resp.map(|body| Held {
+                body,
+                permit,
+                conn: Some(conn),
+            }));
+        }
+        let resp = self.tls.request(req).await.map_err(SendError::pooled)?;
+        Ok(resp.map(|body| Held {
+            body,
+            permit,
+            conn: None,
+        }))
     }
 }
 
-/// A response body holding its request's in-flight slot.
-#[derive(Debug)]
-pub struct Held<B> {
-    body: B,
+/// A response body holding its request's in-flight slot and, for [`Http1Pool`], its
+/// connection, which goes back to the pool once the body has been read to its end.
+pub struct Held {
+    body: Incoming,
     permit: Option<OwnedSemaphorePermit>,
+    conn: Option<Pooled>,
 }
 
-impl<B: Body + Unpin> Body for Held<B> {
-    type Data = B::Data;
-    type Error = B::Error;
+impl std::fmt::Debug for Held {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Held").finish_non_exhaustive()
+    }
+}
+
+impl Body for Held {
+    type Data = bytes::Bytes;
+    type Error = hyper::Error;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
@@ -67,6 +98,7 @@ impl<B: Body + Unpin> Body for Held<B> {
         if matches!(polled, Poll::Ready(None)) {
             // Done: the connection can take the next request before this body is dropped.
             self.permit = None;
+            self.give_back();
         }
         polled
     }
@@ -77,6 +109,243 @@ impl<B: Body + Unpin> Body for Held<B> {
 
     fn size_hint(&self) -> SizeHint {
         self.body.size_hint()
+    }
+}
+
+impl Held {
+    /// Return the connection if its response was read to the end; one dropped half-way
+    /// is never reused (hyper closes it).
+    fn give_back(&mut self) {
+        if self.body.is_end_stream() {
+            if let Some(conn) = self.conn.take() {
+                conn.pool.put(conn.idle);
+            }
+        }
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        // hyper stops polling a body once it reports its end, so the last frame is
+        // usually seen here rather than as `Ready(None)`.
+        self.give_back();
+    }
+}
+
+/// A connection lent to one response.
+pub struct Pooled {
+    pool: Arc<Http1Pool>,
+    idle: Idle,
+}
+
+struct Idle {
+    authority: Authority,
+    sender: http1::SendRequest<ProxyBody>,
+    since: Instant,
+}
+
+/// HTTP/1.1 connections to `http://` upstreams, kept for reuse, most recently used
+/// first. One per [`HttpClient`], so a worker thread's requests use that thread's
+/// connections and their tasks never cross threads.
+pub struct Http1Pool {
+    idle: parking_lot::Mutex<Vec<Idle>>,
+    connect_timeout: Duration,
+}
+
+impl Http1Pool {
+    fn new(connect_timeout: Duration) -> Http1Pool {
+        Http1Pool {
+            idle: parking_lot::Mutex::new(Vec::new()),
+            connect_timeout,
+        }
+    }
+
+    async fn send(
+        self: &Arc<Self>,
+        mut req: http::Request<ProxyBody>,
+    ) -> Result<(http::Response<Incoming>, Pooled), SendError> {
+        let authority = origin_form(&mut req)?;
+        loop {
+            let (mut sender, reused) = match self.checkout(&authority).await {
+                Some(s) => (s, true),
+                None => (self.connect(&authority).await?, false),
+            };
+            match sender.try_send_request(req).await {
+                Ok(resp) => {
+                    let conn = Pooled {
+                        pool: self.clone(),
+                        idle: Idle {
+                            authority,
+                            sender,
+                            since: Instant::now(),
+                        },
+                    };
+                    return Ok((resp, conn));
+                }
+                Err(mut e) => match e.take_message() {
+                    // A kept connection the upstream closed while it was idle: nothing of
+                    // the request was written, so it goes out on another connection.
+                    Some(back) if reused => req = back,
+                    Some(_) => {
+                        return Err(SendError::before(
+                            "the new connection refused the request",
+                            e.into_error(),
+                        ))
+                    }
+                    None => {
+                        return Err(SendError::after(
+                            "the connection failed after the request was sent",
+                            e.into_error(),
+                        ))
+                    }
+                },
+            }
+        }
+    }
+
+    /// An idle connection to `authority` that is ready for a request, if any is left.
+    async fn checkout(&self, authority: &Authority) -> Option<http1::SendRequest<ProxyBody>> {
+        loop {
+            let mut candidate = {
+                let mut idle = self.idle.lock();
+                let now = Instant::now();
+                idle.retain(|c| {
+                    now.duration_since(c.since) < IDLE_TIMEOUT && !c.sender.is_closed()
+                });
+                let at = idle.iter().rposition(|c| c.authority == *authority)?;
+                idle.remove(at).sender
+            };
+            // Returned the moment its last body ended, a connection may still be finishing
+            // that message: wait for it, or drop it if it closed meanwhile.
+            if candidate.is_ready() || candidate.ready().await.is_ok() {
+                return Some(candidate);
+            }
+        }
+    }
+
+    async fn connect(
+        &self,
+        authority: &Authority,
+    ) -> Result<http1::SendRequest<ProxyBody>, SendError> {
+        let host = authority
+            .host()
+            .trim_start_matches('[')
+            .trim_end_matches(']');
+        let port = authority.port_u16().unwrap_or(80);
+        let stream = match tokio::time::timeout(
+            self.connect_timeout,
+            tokio::net::TcpStream::connect((host, port)),
+        )
+        .await
+        {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => return Err(SendError::before("tcp connect error", e)),
+            Err(_) => {
+                return Err(SendError::before(
+                    "tcp connect error",
+                    std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out"),
+                ))
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let (sender, conn) = http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| SendError::before("HTTP/1.1 handshake failed", e))?;
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "upstream connection ended with error");
+            }
+        });
+        Ok(sender)
+    }
+
+    fn put(&self, conn: Idle) {
+        if conn.sender.is_closed() {
+            return;
+        }
+        let mut idle = self.idle.lock();
+        if idle.len() < MAX_IN_FLIGHT {
+            idle.push(Idle {
+                since: Instant::now(),
+                ..conn
+            });
+        }
+    }
+}
+
+/// Turns an absolute request URI into the origin form an HTTP/1.1 request line carries,
+/// with `Host` set from it when the caller set none. Returns the authority to connect to.
+fn origin_form(req: &mut http::Request<ProxyBody>) -> Result<Authority, SendError> {
+    let Some(authority) = req.uri().authority().cloned() else {
+        return Err(SendError::before(
+            "request URI has no host",
+            std::io::Error::new(std::io::ErrorKind::InvalidInput, req.uri().to_string()),
+        ));
+    };
+    if !req.headers().contains_key(http::header::HOST) {
+        if let Ok(v) = http::HeaderValue::from_str(authority.as_str()) {
+            req.headers_mut().insert(http::header::HOST, v);
+        }
+    }
+    let path = req
+        .uri()
+        .path_and_query()
+        .cloned()
+        .unwrap_or_else(|| PathAndQuery::from_static("/"));
+    *req.uri_mut() = Uri::from(path);
+    Ok(authority)
+}
+
+/// A failed send, with when it failed relative to the request leaving the proxy.
+#[derive(Debug)]
+pub struct SendError {
+    failure: SendFailure,
+    what: &'static str,
+    source: BoxError,
+}
+
+impl SendError {
+    fn before(what: &'static str, source: impl Into<BoxError>) -> SendError {
+        SendError {
+            failure: SendFailure::BeforeSend,
+            what,
+            source: source.into(),
+        }
+    }
+
+    fn after(what: &'static str, source: impl Into<BoxError>) -> SendError {
+        SendError {
+            failure: SendFailure::AfterSend,
+            what,
+            source: source.into(),
+        }
+    }
+
+    /// hyper-util marks every error raised by the connector (TCP connect, DNS, TLS
+    /// handshake) as a connect error; only those are provably before the first byte.
+    fn pooled(err: hyper_util::client::legacy::Error) -> SendError {
+        let failure = if err.is_connect() {
+            SendFailure::BeforeSend
+        } else {
+            SendFailure::AfterSend
+        };
+        SendError {
+            failure,
+            what: "client error",
+            source: Box::new(err),
+        }
+    }
+}
+
+impl std::fmt::Display for SendError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.what)
+    }
+}
+
+impl std::error::Error for SendError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.source)
     }
 }
 
@@ -130,12 +399,13 @@ pub fn build(
         .https_or_http()
         .enable_all_versions()
         .wrap_connector(http);
-    let inner = Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(Duration::from_secs(30))
+    let tls = Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(IDLE_TIMEOUT)
         .pool_max_idle_per_host(MAX_IN_FLIGHT)
         .build(https);
     Ok(HttpClient {
-        inner,
+        tls,
+        plain: Arc::new(Http1Pool::new(connect_timeout)),
         permits: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
     })
 }
@@ -149,14 +419,8 @@ pub enum SendFailure {
     AfterSend,
 }
 
-pub fn classify(err: &hyper_util::client::legacy::Error) -> SendFailure {
-    // hyper-util marks every error raised by the connector (TCP connect, DNS, TLS
-    // handshake) as a connect error; only those are provably before the first byte.
-    if err.is_connect() {
-        SendFailure::BeforeSend
-    } else {
-        SendFailure::AfterSend
-    }
+pub fn classify(err: &SendError) -> SendFailure {
+    err.failure
 }
 
 /// Error text without the request (it may carry arguments): the source chain only.
@@ -240,5 +504,66 @@ mod tests {
             failure(format!("http://127.0.0.1:{garbage}/")).await,
             SendFailure::AfterSend
         );
+    }
+
+    /// Reads one request head (these tests send no bodies) and answers `200 ok`.
+    fn answer_one(s: &mut std::net::TcpStream) -> bool {
+        let mut head = Vec::new();
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            match s.read(&mut byte) {
+                Ok(1) => head.push(byte[0]),
+                _ => return false,
+            }
+        }
+        s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            .is_ok()
+    }
+
+    async fn get_ok(c: &HttpClient, port: u16) {
+        let req = http::Request::get(format!("http://127.0.0.1:{port}/x"))
+            .body(crate::wire::body::empty())
+            .expect("request");
+        let resp = c.request(req).await.expect("answered");
+        assert_eq!(resp.status(), 200);
+        let body = http_body_util::BodyExt::collect(resp.into_body())
+            .await
+            .expect("body")
+            .to_bytes();
+        assert_eq!(&body[..], b"ok");
+    }
+
+    #[tokio::test]
+    async fn plain_upstream_connections_are_kept_and_reused() {
+        static ACCEPTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let port = server(|mut s| {
+            ACCEPTED.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            std::thread::spawn(move || while answer_one(&mut s) {});
+        });
+        let c = build(Duration::from_secs(2), None).expect("client");
+        for _ in 0..5 {
+            get_ok(&c, port).await;
+        }
+        assert_eq!(
+            ACCEPTED.load(std::sync::atomic::Ordering::SeqCst),
+            1,
+            "five requests in turn share one connection"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_kept_connection_the_upstream_closed_is_replaced_without_an_error() {
+        static ACCEPTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        // Answers one request per connection, then closes it without saying so.
+        let port = server(|mut s| {
+            ACCEPTED.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            answer_one(&mut s);
+        });
+        let c = build(Duration::from_secs(2), None).expect("client");
+        for _ in 0..3 {
+            get_ok(&c, port).await;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(ACCEPTED.load(std::sync::atomic::Ordering::SeqCst), 3);
     }
 }
