@@ -1,0 +1,151 @@
+#!/usr/bin/env bash
+# User-space instructions per request, counted by callgrind: the same figure from run to
+# run whatever else the machine is doing, so a change worth a few percent shows, where
+# wall-clock runs on this shared machine move by ±15% (docs/PERFORMANCE.md, items 18-21).
+#
+#   benches/instructions.sh            # N=2000 requests per row
+#   N=500 benches/instructions.sh      # quicker
+#
+# Each row starts its server under `valgrind --tool=callgrind --instr-atstart=no` with one
+# worker thread, warms it up (connections, pools, and for replays: every key executed,
+# then replayed once from the store so it is in the replay cache), switches counting on
+# for exactly N requests sent in turn on one keep-alive connection, and prints the count
+# per request. valgrind hides the CPU's SHA extensions, so sha2 runs its portable code
+# under it: SHA-256 is printed apart. System time (about half of every request) is not
+# counted. Rows: idemproxy pass-through GET and POST and replays from memory; the bare
+# hyper proxy and static answer (benches/hyper_floor.rs).
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+N=${N:-2000}
+command -v valgrind >/dev/null || { echo "valgrind is needed (Debian package valgrind)" >&2; exit 1; }
+command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || apt-get install -y nginx >/dev/null
+NGINX=$(command -v nginx || echo /usr/sbin/nginx)
+(cd "$ROOT" && cargo build --release --bins -q && cargo build --release --example hyper_floor -q)
+
+WORK=$(mktemp -d /tmp/idemproxy-instructions.XXXXXX)
+PIDS=()
+cleanup() {
+  for p in "${PIDS[@]:-}"; do [ -n "$p" ] && kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+wait_port() {
+  for _ in $(seq 1 600); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.05; done
+  echo "nothing listens on $1" >&2; return 1
+}
+
+# The upstream: nginx answering static JSON, as in benches/run.sh.
+UP_PORT=$(free_port); mkdir -p "$WORK/up/tmp"
+cat > "$WORK/up/nginx.conf" <<EOF
+worker_processes 1; daemon off; pid $WORK/up/nginx.pid; error_log $WORK/up/error.log warn;
+events { worker_connections 1024; }
+http {
+  access_log off; keepalive_requests 10000000; default_type application/json;
+  client_body_temp_path $WORK/up/tmp; proxy_temp_path $WORK/up/tmp; fastcgi_temp_path $WORK/up/tmp;
+  uwsgi_temp_path $WORK/up/tmp; scgi_temp_path $WORK/up/tmp;
+  server {
+    listen 127.0.0.1:$UP_PORT;
+    location = /weather { return 200 '{"city":"paris","temp_c":21,"conditions":"clear"}'; }
+    location = /send { return 201 '{"id":"msg_1","status":"queued"}'; }
+    location / { return 200 '{"ok":true}'; }
+  }
+}
+EOF
+"$NGINX" -p "$WORK/up" -c "$WORK/up/nginx.conf" & PIDS+=($!)
+wait_port "$UP_PORT"
+
+# send PORT COUNT MODE: COUNT requests in turn on one connection (MODE get, post, replay).
+send() {
+  python3 - "$@" <<'EOF'
+import socket, sys, random
+port, n, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+body = '{"to":"user@example.com","subject":"bench","text":"' + 'x' * 459 + '"}'
+s = socket.create_connection(("127.0.0.1", port))
+random.seed(1)
+buf = b""
+for i in range(n):
+    if mode == "get":
+        req = f"GET /api/weather?city=paris HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n"
+    else:
+        path, key = ("/api/send", f"Idempotency-Key: r-{random.randint(1, 100)}\r\n") if mode == "replay" else ("/api/echo", "")
+        req = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+               f"{key}Content-Length: {len(body)}\r\n\r\n{body}")
+    s.sendall(req.encode())
+    while b"\r\n\r\n" not in buf:
+        buf += s.recv(65536)
+    head, _, rest = buf.partition(b"\r\n\r\n")
+    status = head.split(b" ", 2)[1]
+    if not status.startswith(b"2"):
+        sys.exit(f"request {i}: status {status.decode()}")
+    length = next((int(l.split(b":")[1]) for l in head.split(b"\r\n")[1:]
+                   if l.lower().startswith(b"content-length:")), 0)
+    while len(rest) < length:
+        rest += s.recv(65536)
+    buf = rest[length:]
+EOF
+}
+
+# count NAME MODE PORT COMMAND...: one row, the server COMMAND listening on PORT.
+count() {
+  local name=$1 mode=$2 port=$3; shift 3
+  local d="$WORK/$name"; mkdir -p "$d"
+  IDEMPROXY_LOG=warn IDEMPROXY_WORKERS=1 valgrind --tool=callgrind --instr-atstart=no \
+    --callgrind-out-file="$d/cg.out" "$@" > "$d/out" 2> "$d/err" &
+  local vp=$!; PIDS+=("$vp")
+  wait_port "$port"
+  send "$port" 400 "$mode"; send "$port" 200 "$mode"
+  callgrind_control -i on "$vp" > /dev/null 2>&1
+  send "$port" "$N" "$mode"
+  callgrind_control -i off "$vp" > /dev/null 2>&1
+  kill -TERM "$vp"; wait "$vp" 2>/dev/null || true
+  python3 - "$d/cg.out" "$N" "$name" <<'EOF'
+import re, subprocess, sys
+f, n, name = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+out = subprocess.run(["callgrind_annotate", "--auto=no", "--threshold=100", f],
+                     capture_output=True, text=True, check=True).stdout
+total = sha = 0
+for line in out.splitlines():
+    m = re.match(r"\s*([\d,]+) \(\s*[\d.]+%\)\s+(.*)$", line)
+    if not m or "PROGRAM TOTALS" in line:
+        continue
+    ir = int(m.group(1).replace(",", ""))
+    total += ir
+    if re.search(r"sha2|compress256|block.buffer", m.group(2)):
+        sha += ir
+print(f"| {name} | {total / n:,.0f} | {sha / n:,.0f} | {(total - sha) / n:,.0f} |")
+EOF
+}
+
+# proxy_row NAME MODE: idemproxy with a store of its own.
+proxy_row() {
+  local name=$1 mode=$2 port; port=$(free_port)
+  mkdir -p "$WORK/$name"
+  cat > "$WORK/$name/idemproxy.yaml" <<EOF
+listen: 127.0.0.1:$port
+store: { backend: redb, path: $WORK/$name/store.redb }
+identity: { key_header: Idempotency-Key, derive_from: [], tenant_from: [Authorization] }
+upstreams:
+  - name: api
+    url: http://127.0.0.1:$UP_PORT
+    mount: /api
+    routes:
+      - { name: weather, match: { method: GET, path: /weather }, class: read_only }
+      - { name: echo, match: { method: POST, path: /echo }, class: read_only }
+      - { name: send, match: { method: POST, path: /send }, tool_version: v1 }
+EOF
+  count "$name" "$mode" "$port" "$ROOT/target/release/idemproxy" serve --config "$WORK/$name/idemproxy.yaml"
+}
+
+echo "Instructions per request (callgrind, one worker, $N requests in turn on one connection):"
+echo
+echo "| row | all | SHA-256 (portable under valgrind) | beside SHA-256 |"
+echo "|---|---:|---:|---:|"
+proxy_row idemproxy-get get
+proxy_row idemproxy-post post
+proxy_row idemproxy-replay replay
+FLOOR="$ROOT/target/release/examples/hyper_floor"
+port=$(free_port); count floor-proxy get "$port" "$FLOOR" proxy --port "$port" --upstream "127.0.0.1:$UP_PORT" --mount /api
+port=$(free_port); count floor-static replay "$port" "$FLOOR" static --port "$port"
