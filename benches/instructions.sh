@@ -120,23 +120,11 @@ EOF
 }
 
 # proxy_row NAME MODE: idemproxy with a store of its own.
+source "$ROOT/benches/config.sh"
 proxy_row() {
-  local name=$1 mode=$2 port; port=$(free_port)
-  mkdir -p "$WORK/$name"
-  cat > "$WORK/$name/idemproxy.yaml" <<EOF
-listen: 127.0.0.1:$port
-store: { backend: redb, path: $WORK/$name/store.redb }
-identity: { key_header: Idempotency-Key, derive_from: [], tenant_from: [Authorization] }
-upstreams:
-  - name: api
-    url: http://127.0.0.1:$UP_PORT
-    mount: /api
-    routes:
-      - { name: weather, match: { method: GET, path: /weather }, class: read_only }
-      - { name: echo, match: { method: POST, path: /echo }, class: read_only }
-      - { name: send, match: { method: POST, path: /send }, tool_version: v1 }
-EOF
-  count "$name" "$mode" "$port" "$ROOT/target/release/idemproxy" serve --config "$WORK/$name/idemproxy.yaml"
+  local name=$1 mode=$2 port cfg; port=$(free_port)
+  cfg=$(LISTEN="127.0.0.1:$port" write_config "$name")
+  count "$name" "$mode" "$port" "$ROOT/target/release/idemproxy" serve --config "$cfg"
 }
 
 echo "Instructions per request (callgrind, one worker, $N requests in turn on one connection):"
