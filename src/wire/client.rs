@@ -118,7 +118,7 @@ impl Held {
     fn give_back(&mut self) {
         if self.body.is_end_stream() {
             if let Some(conn) = self.conn.take() {
-                conn.pool.put(conn.idle);
+                conn.pool.put(conn.authority, conn.sender);
             }
         }
     }
@@ -133,11 +133,13 @@ impl Drop for Held {
 }
 
 /// A connection lent to one response.
-pub struct Pooled {
+struct Pooled {
     pool: Arc<Http1Pool>,
-    idle: Idle,
+    authority: Authority,
+    sender: http1::SendRequest<ProxyBody>,
 }
 
+/// A kept connection, since when it has been idle.
 struct Idle {
     authority: Authority,
     sender: http1::SendRequest<ProxyBody>,
@@ -148,6 +150,7 @@ struct Idle {
 /// first. One per [`HttpClient`], so a worker thread's requests use that thread's
 /// connections and their tasks never cross threads.
 pub struct Http1Pool {
+    /// In the order they were given back, so the longest idle are at the front.
     idle: parking_lot::Mutex<Vec<Idle>>,
     connect_timeout: Duration,
 }
@@ -174,11 +177,8 @@ impl Http1Pool {
                 Ok(resp) => {
                     let conn = Pooled {
                         pool: self.clone(),
-                        idle: Idle {
-                            authority,
-                            sender,
-                            since: Instant::now(),
-                        },
+                        authority,
+                        sender,
                     };
                     return Ok((resp, conn));
                 }
@@ -209,15 +209,14 @@ impl Http1Pool {
             let mut candidate = {
                 let mut idle = self.idle.lock();
                 let now = Instant::now();
-                idle.retain(|c| {
-                    now.duration_since(c.since) < IDLE_TIMEOUT && !c.sender.is_closed()
-                });
+                let expired = idle.partition_point(|c| now.duration_since(c.since) >= IDLE_TIMEOUT);
+                idle.drain(..expired);
                 let at = idle.iter().rposition(|c| c.authority == *authority)?;
                 idle.remove(at).sender
             };
             // Returned the moment its last body ended, a connection may still be finishing
             // that message: wait for it, or drop it if it closed meanwhile.
-            if candidate.is_ready() || candidate.ready().await.is_ok() {
+            if !candidate.is_closed() && (candidate.is_ready() || candidate.ready().await.is_ok()) {
                 return Some(candidate);
             }
         }
@@ -259,15 +258,16 @@ impl Http1Pool {
         Ok(sender)
     }
 
-    fn put(&self, conn: Idle) {
-        if conn.sender.is_closed() {
+    fn put(&self, authority: Authority, sender: http1::SendRequest<ProxyBody>) {
+        if sender.is_closed() {
             return;
         }
         let mut idle = self.idle.lock();
         if idle.len() < MAX_IN_FLIGHT {
             idle.push(Idle {
+                authority,
+                sender,
                 since: Instant::now(),
-                ..conn
             });
         }
     }

@@ -61,20 +61,9 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap) {
 }
 
 pub fn is_hop_by_hop(name: &HeaderName) -> bool {
-    // Names are lower case; a `match` on the text is a length check and a compare or two,
-    // where comparing `HeaderName`s was a dozen calls per header on every request.
-    matches!(
-        name.as_str(),
-        "connection"
-            | "keep-alive"
-            | "proxy-connection"
-            | "proxy-authenticate"
-            | "proxy-authorization"
-            | "te"
-            | "trailer"
-            | "transfer-encoding"
-            | "upgrade"
-    )
+    // Names are lower case: comparing the text is a length check and at most a compare or
+    // two, where comparing `HeaderName`s was a dozen calls per header on every request.
+    HOP_BY_HOP.contains(&name.as_str())
 }
 
 /// [`is_hop_by_hop`] for a header name as written in a `Connection` header (any case).
