@@ -5,6 +5,8 @@
 #
 #   benches/instructions.sh            # N=2000 requests per row
 #   N=500 benches/instructions.sh      # quicker
+#   KEEP=/tmp/cg ROWS="idemproxy-get floor-proxy" benches/instructions.sh
+#                                      # some rows; keep callgrind's files for callgrind_annotate
 #
 # Each row starts its server under `valgrind --tool=callgrind --instr-atstart=no` with one
 # worker thread, warms it up (connections, pools, and for replays: every key executed,
@@ -101,6 +103,7 @@ count() {
   send "$port" "$N" "$mode"
   callgrind_control -i off "$vp" > /dev/null 2>&1
   kill -TERM "$vp"; wait "$vp" 2>/dev/null || true
+  if [ -n "${KEEP:-}" ]; then mkdir -p "$KEEP"; cp "$d/cg.out" "$KEEP/$name.cg.out"; fi
   python3 - "$d/cg.out" "$N" "$name" <<'EOF'
 import re, subprocess, sys
 f, n, name = sys.argv[1], int(sys.argv[2]), sys.argv[3]
@@ -131,9 +134,15 @@ echo "Instructions per request (callgrind, one worker, $N requests in turn on on
 echo
 echo "| row | all | SHA-256 (portable under valgrind) | beside SHA-256 |"
 echo "|---|---:|---:|---:|"
-proxy_row idemproxy-get get
-proxy_row idemproxy-post post
-proxy_row idemproxy-replay replay
+ROWS=${ROWS:-idemproxy-get idemproxy-post idemproxy-replay floor-proxy floor-static}
 FLOOR="$ROOT/target/release/examples/hyper_floor"
-port=$(free_port); count floor-proxy get "$port" "$FLOOR" proxy --port "$port" --upstream "127.0.0.1:$UP_PORT" --mount /api
-port=$(free_port); count floor-static replay "$port" "$FLOOR" static --port "$port"
+for row in $ROWS; do
+  case $row in
+    idemproxy-get) proxy_row idemproxy-get get ;;
+    idemproxy-post) proxy_row idemproxy-post post ;;
+    idemproxy-replay) proxy_row idemproxy-replay replay ;;
+    floor-proxy) port=$(free_port); count floor-proxy get "$port" "$FLOOR" proxy --port "$port" --upstream "127.0.0.1:$UP_PORT" --mount /api ;;
+    floor-static) port=$(free_port); count floor-static replay "$port" "$FLOOR" static --port "$port" ;;
+    *) echo "unknown row $row" >&2; exit 1 ;;
+  esac
+done
