@@ -15,7 +15,7 @@
 # per request. valgrind hides the CPU's SHA extensions, so sha2 runs its portable code
 # under it: SHA-256 is printed apart. System time (about half of every request) is not
 # counted. Rows: idemproxy pass-through GET and POST and replays from memory; the bare
-# hyper proxy and static answer (benches/hyper_floor.rs).
+# hyper proxy (GET and POST) and static answer (benches/hyper_floor.rs).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -134,7 +134,7 @@ echo "Instructions per request (callgrind, one worker, $N requests in turn on on
 echo
 echo "| row | all | SHA-256 (portable under valgrind) | beside SHA-256 |"
 echo "|---|---:|---:|---:|"
-ROWS=${ROWS:-idemproxy-get idemproxy-post idemproxy-replay floor-proxy floor-static}
+ROWS=${ROWS:-idemproxy-get idemproxy-post idemproxy-replay floor-proxy floor-proxy-post floor-static}
 FLOOR="$ROOT/target/release/examples/hyper_floor"
 for row in $ROWS; do
   case $row in
@@ -142,6 +142,7 @@ for row in $ROWS; do
     idemproxy-post) proxy_row idemproxy-post post ;;
     idemproxy-replay) proxy_row idemproxy-replay replay ;;
     floor-proxy) port=$(free_port); count floor-proxy get "$port" "$FLOOR" proxy --port "$port" --upstream "127.0.0.1:$UP_PORT" --mount /api ;;
+    floor-proxy-post) port=$(free_port); count floor-proxy-post post "$port" "$FLOOR" proxy --port "$port" --upstream "127.0.0.1:$UP_PORT" --mount /api ;;
     floor-static) port=$(free_port); count floor-static replay "$port" "$FLOOR" static --port "$port" ;;
     *) echo "unknown row $row" >&2; exit 1 ;;
   esac
