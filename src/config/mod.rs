@@ -79,7 +79,7 @@ pub struct Limits {
     /// `proxy::replay`).
     pub replay_cache_bytes: u64,
     /// Keyed side-effect calls past admission at once; more wait their turn before
-    /// anything durable happens (see `proxy::Proxy::side_effect`).
+    /// anything durable happens (see `proxy::Proxy::handle_on`).
     pub max_calls_in_flight: usize,
 }
 

@@ -55,16 +55,6 @@ impl<'a> Target<'a> {
             params: self.params.clone(),
         }
     }
-
-    /// [`Target::to_owned_ref`] without copying the path and parameters.
-    pub fn into_owned(self) -> OwnedTarget {
-        OwnedTarget {
-            upstream_index: self.upstream_index,
-            route_ref: self.route_ref,
-            rel_path: self.rel_path,
-            params: self.params,
-        }
-    }
 }
 
 /// A classification result detached from the config borrow (see [`Target::to_owned_ref`]).
@@ -79,11 +69,6 @@ pub struct OwnedTarget {
 impl OwnedTarget {
     /// Borrow the target again from the same config it was classified against.
     pub fn bind<'a>(&self, upstreams: &'a [Upstream]) -> Target<'a> {
-        self.clone().into_bound(upstreams)
-    }
-
-    /// [`OwnedTarget::bind`] without copying the path and parameters.
-    pub fn into_bound(self, upstreams: &[Upstream]) -> Target<'_> {
         let upstream = &upstreams[self.upstream_index];
         let route = match self.route_ref {
             RouteRef::Declared(i) => &upstream.routes[i],
@@ -95,8 +80,8 @@ impl OwnedTarget {
             upstream,
             route_ref: self.route_ref,
             route,
-            rel_path: self.rel_path,
-            params: self.params,
+            rel_path: self.rel_path.clone(),
+            params: self.params.clone(),
         }
     }
 }

@@ -9,8 +9,6 @@ pub mod recovery;
 pub mod replay;
 pub mod side_effect;
 
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
@@ -20,7 +18,7 @@ use parking_lot::{Mutex, RwLock};
 
 use crate::config::{Class, Config};
 use crate::metrics::{Metrics, ReplayCounters};
-use crate::policy::classify::{Classified, OwnedTarget, RouteRef, Target};
+use crate::policy::classify::{Classified, RouteRef, Target};
 use crate::store::Store;
 use crate::wire::body::ProxyBody;
 use crate::wire::client::{self, HttpClient};
@@ -138,118 +136,106 @@ impl Proxy {
     }
 
     /// Entry point for a request, on the shared runtime (see [`Worker`] for the listener's).
-    pub fn handle(self: Arc<Self>, req: Request<Incoming>, peer: ClientAddr) -> Handling {
+    pub async fn handle(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+        peer: ClientAddr,
+    ) -> Response<ProxyBody> {
         let rt = self.runtime();
-        self.handle_on(rt, req, peer)
+        self.handle_on(rt, req, peer).await
     }
 
-    /// Classifies the request and returns the future of the one path it takes, boxed on
-    /// its own: a read-only request's future holds nothing of the side-effect path, whose
-    /// future is several times larger (a box per request that was 9.4 KiB, copied and
-    /// touched on every pass-through; docs/PERFORMANCE.md, item 22).
-    fn handle_on(
-        self: Arc<Self>,
+    async fn handle_on(
+        self: &Arc<Self>,
         rt: Arc<Runtime>,
         req: Request<Incoming>,
         peer: ClientAddr,
-    ) -> Handling {
+    ) -> Response<ProxyBody> {
         let cfg = &rt.config;
         // The classification does not borrow the path, so no copy of it is needed.
-        let (class, owned) = match cfg.routes.classify(
+        match cfg.routes.classify(
             &cfg.upstreams,
             cfg.unmatched,
             req.method(),
             req.uri().path(),
         ) {
-            Classified::NoUpstream => {
-                return answer(Problem::new(
-                    Kind::NoRoute,
-                    format!("no upstream is mounted at {}", req.uri().path()),
-                ))
-            }
-            Classified::Unmatched { upstream } => {
-                return answer(Problem::new(
-                    Kind::RouteUnmatched,
-                    format!(
-                        "no route of upstream `{}` matches {} {} and `unmatched: reject` is set",
-                        upstream.name,
-                        req.method(),
-                        req.uri().path()
-                    ),
-                ))
-            }
-            Classified::Matched(target) => (target.route.class, target.into_owned()),
-        };
-        match class {
-            Class::ReadOnly => Box::pin(async move {
-                let target = owned.into_bound(&rt.config.upstreams);
+            Classified::NoUpstream => Problem::new(
+                Kind::NoRoute,
+                format!("no upstream is mounted at {}", req.uri().path()),
+            )
+            .into_response(),
+            Classified::Unmatched { upstream } => Problem::new(
+                Kind::RouteUnmatched,
+                format!(
+                    "no route of upstream `{}` matches {} {} and `unmatched: reject` is set",
+                    upstream.name,
+                    req.method(),
+                    req.uri().path()
+                ),
+            )
+            .into_response(),
+            Classified::Matched(target) => {
                 let client = &rt.clients[target.upstream_index];
-                passthrough::forward(&rt, client, &target, req, &peer, true).await
-            }),
-            Class::SideEffect => Box::pin(self.side_effect(rt, owned, req, peer)),
+                match target.route.class {
+                    Class::ReadOnly => {
+                        passthrough::forward(&rt, client, &target, req, &peer, true).await
+                    }
+                    Class::SideEffect => {
+                        let admitted = match side_effect::admit(self, &rt, &target, req).await {
+                            side_effect::Admit::Respond(resp) => return resp,
+                            other => other,
+                        };
+                        // A bounded number of calls go on to the store and the downstream
+                        // at once: past that they wait here, holding nothing but their
+                        // connection, instead of each holding a task, its records and a
+                        // place in the writer's queue (1,000 concurrent first executions
+                        // took over 140 MiB). The writer's batches stay full at the bound.
+                        let turn = match &admitted {
+                            side_effect::Admit::Protected(_) => {
+                                rt.shared.calls.clone().acquire_owned().await.ok()
+                            }
+                            _ => None,
+                        };
+                        let client = client.clone();
+                        // hyper drops the service future when the client disconnects. A
+                        // side effect must not stop half-way (it would sit `executing`
+                        // until a restart), so it runs as its own task to completion.
+                        let owned = target.to_owned_ref();
+                        let proxy = self.clone();
+                        let rt = rt.clone();
+                        let task = tokio::spawn(async move {
+                            let _turn = turn;
+                            let target = owned.bind(&rt.config.upstreams);
+                            match admitted {
+                                side_effect::Admit::Protected(call) => {
+                                    side_effect::run(&proxy, &rt, &client, &target, call, &peer)
+                                        .await
+                                }
+                                side_effect::Admit::Unprotected(req) => {
+                                    side_effect::unprotected(
+                                        &proxy, &rt, &client, &target, req, &peer,
+                                    )
+                                    .await
+                                }
+                                side_effect::Admit::Respond(resp) => resp,
+                            }
+                        });
+                        match task.await {
+                            Ok(resp) => resp,
+                            Err(e) => {
+                                tracing::error!(error = %e, "side-effect task failed");
+                                Problem::new(
+                                    Kind::Internal,
+                                    "the request handler failed; see the proxy log",
+                                )
+                                .into_response()
+                            }
+                        }
+                    }
+                }
+            }
         }
     }
-
-    async fn side_effect(
-        self: Arc<Self>,
-        rt: Arc<Runtime>,
-        owned: OwnedTarget,
-        req: Request<Incoming>,
-        peer: ClientAddr,
-    ) -> Response<ProxyBody> {
-        let admitted = {
-            let target = owned.bind(&rt.config.upstreams);
-            match side_effect::admit(&self, &rt, &target, req).await {
-                side_effect::Admit::Respond(resp) => return resp,
-                other => other,
-            }
-        };
-        // A bounded number of calls go on to the store and the downstream at once: past
-        // that they wait here, holding nothing but their connection, instead of each
-        // holding a task, its records and a place in the writer's queue (1,000 concurrent
-        // first executions took over 140 MiB). The writer's batches stay full at the bound.
-        let turn = match &admitted {
-            side_effect::Admit::Protected(_) => rt.shared.calls.clone().acquire_owned().await.ok(),
-            _ => None,
-        };
-        let client = rt.clients[owned.upstream_index].clone();
-        // hyper drops the service future when the client disconnects. A side effect must
-        // not stop half-way (it would sit `executing` until a restart), so it runs as its
-        // own task to completion.
-        let proxy = self;
-        let task = tokio::spawn(async move {
-            let _turn = turn;
-            let target = owned.into_bound(&rt.config.upstreams);
-            match admitted {
-                side_effect::Admit::Protected(call) => {
-                    side_effect::run(&proxy, &rt, &client, &target, call, &peer).await
-                }
-                side_effect::Admit::Unprotected(req) => {
-                    side_effect::unprotected(&proxy, &rt, &client, &target, req, &peer).await
-                }
-                side_effect::Admit::Respond(resp) => resp,
-            }
-        });
-        match task.await {
-            Ok(resp) => resp,
-            Err(e) => {
-                tracing::error!(error = %e, "side-effect task failed");
-                Problem::new(
-                    Kind::Internal,
-                    "the request handler failed; see the proxy log",
-                )
-                .into_response()
-            }
-        }
-    }
-}
-
-/// A request's handling: the future of the path its classification chose.
-pub type Handling = Pin<Box<dyn Future<Output = Response<ProxyBody>> + Send>>;
-
-/// A response known at classification, as a [`Handling`].
-fn answer(problem: Problem) -> Handling {
-    Box::pin(std::future::ready(problem.into_response()))
 }
 
 /// One server worker thread's handle on the proxy: the current config with this thread's
@@ -290,9 +276,13 @@ impl Worker {
         rt
     }
 
-    pub fn handle(self: Arc<Self>, req: Request<Incoming>, peer: ClientAddr) -> Handling {
+    pub async fn handle(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+        peer: ClientAddr,
+    ) -> Response<ProxyBody> {
         let rt = self.runtime();
-        self.proxy.clone().handle_on(rt, req, peer)
+        self.proxy.handle_on(rt, req, peer).await
     }
 }
 
