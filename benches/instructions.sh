@@ -130,6 +130,12 @@ proxy_row() {
   count "$name" "$mode" "$port" "$ROOT/target/release/idemproxy" serve --config "$cfg"
 }
 
+# floor_proxy_row NAME MODE: the bare hyper proxy in front of the same upstream.
+floor_proxy_row() {
+  local port; port=$(free_port)
+  count "$1" "$2" "$port" "$FLOOR" proxy --port "$port" --upstream "127.0.0.1:$UP_PORT" --mount /api
+}
+
 echo "Instructions per request (callgrind, one worker, $N requests in turn on one connection):"
 echo
 echo "| row | all | SHA-256 (portable under valgrind) | beside SHA-256 |"
@@ -141,8 +147,8 @@ for row in $ROWS; do
     idemproxy-get) proxy_row idemproxy-get get ;;
     idemproxy-post) proxy_row idemproxy-post post ;;
     idemproxy-replay) proxy_row idemproxy-replay replay ;;
-    floor-proxy) port=$(free_port); count floor-proxy get "$port" "$FLOOR" proxy --port "$port" --upstream "127.0.0.1:$UP_PORT" --mount /api ;;
-    floor-proxy-post) port=$(free_port); count floor-proxy-post post "$port" "$FLOOR" proxy --port "$port" --upstream "127.0.0.1:$UP_PORT" --mount /api ;;
+    floor-proxy) floor_proxy_row floor-proxy get ;;
+    floor-proxy-post) floor_proxy_row floor-proxy-post post ;;
     floor-static) port=$(free_port); count floor-static replay "$port" "$FLOOR" static --port "$port" ;;
     *) echo "unknown row $row" >&2; exit 1 ;;
   esac
