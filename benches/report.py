@@ -179,10 +179,16 @@ def render_run(run, rows):
                 out.append(f"| {n:,} | | failed | | | |")
                 continue
             fb = files.get(n)
-            out.append(f"| {n:,} | {fb / MIB:,.0f} | {fmt_rps(r['rps'])} | {r['p50_ms']:.2f} | "
-                       f"{r['p99_ms']:.2f} | {r['non2xx']} |" if fb else
-                       f"| {n:,} | | {fmt_rps(r['rps'])} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['non2xx']} |")
+            p99 = f"{r['p99_ms']:.2f}"
+            if r.get("rounds"):
+                each = " / ".join(f"{x['p99_ms']:.2f}" for x in r["rounds"])
+                p99 += f" (median of {each})"
+            mib = f"{fb / MIB:,.0f}" if fb else ""
+            out.append(f"| {n:,} | {mib} | {fmt_rps(r['rps'])} | {r['p50_ms']:.2f} | {p99} | {r['non2xx']} |")
         out.append("")
+        if any(r.get("rounds") for _, r in scale):
+            out += ["Each size was measured in several consecutive runs on the same proxy; the "
+                    "row shows their medians, and the target below compares the medians.", ""]
 
     if churn:
         live = max(churn["live_bytes"], 1)
