@@ -11,6 +11,12 @@
 //!       `X-Forwarded-For` set, over one upstream connection per client connection (no
 //!       pool, no routing, no header hygiene, no timeouts, no retries, no TLS): what a
 //!       hyper pass-through costs with all of idemproxy's policy taken away.
+//!   hyper_floor raw --port P --upstream HOST:PORT --mount /api
+//!       the same, but the upstream side is a hand-written HTTP/1.1 client run inside the
+//!       request's own future (one `write` of head and body, responses read with
+//!       httparse, `Content-Length` bodies only, no chunked, no errors handled): what a
+//!       pass-through would cost without hyper's client dispatch channel and connection
+//!       task. A measurement, not a client.
 //!
 //! `IDEMPROXY_WORKERS` sets the worker threads, as for idemproxy (default: one per CPU).
 
@@ -40,6 +46,11 @@ enum Mode {
         host: HeaderValue,
         mount: Arc<str>,
     },
+    Raw {
+        upstream: SocketAddr,
+        host: HeaderValue,
+        mount: Arc<str>,
+    },
 }
 
 fn main() {
@@ -51,13 +62,21 @@ fn main() {
             .cloned()
     };
     let usage =
-        "usage: hyper_floor static --port P | proxy --port P --upstream HOST:PORT --mount /api";
+        "usage: hyper_floor static --port P | proxy|raw --port P --upstream HOST:PORT --mount /api";
     let port: u16 = arg("--port").and_then(|p| p.parse().ok()).expect(usage);
     let mode = match args.get(1).map(String::as_str) {
         Some("static") => Mode::Static,
         Some("proxy") => {
             let upstream = arg("--upstream").expect(usage);
             Mode::Proxy {
+                host: HeaderValue::from_str(&upstream).expect("upstream host"),
+                upstream: upstream.parse().expect("upstream HOST:PORT"),
+                mount: arg("--mount").unwrap_or_default().into(),
+            }
+        }
+        Some("raw") => {
+            let upstream = arg("--upstream").expect(usage);
+            Mode::Raw {
                 host: HeaderValue::from_str(&upstream).expect("upstream host"),
                 upstream: upstream.parse().expect("upstream HOST:PORT"),
                 mount: arg("--mount").unwrap_or_default().into(),
@@ -107,6 +126,11 @@ fn worker(listener: std::net::TcpListener, mode: Mode) {
                         host,
                         mount,
                     } => proxy_connection(stream, upstream, host, mount).await,
+                    Mode::Raw {
+                        upstream,
+                        host,
+                        mount,
+                    } => raw_connection(stream, upstream, host, mount).await,
                 }
             });
         }
@@ -181,4 +205,106 @@ async fn proxy_connection(
         }
     });
     let _ = http1().serve_connection(TokioIo::new(stream), svc).await;
+}
+
+/// One upstream connection and what has been read from it but not yet used.
+struct RawUpstream {
+    stream: tokio::net::TcpStream,
+    buf: bytes::BytesMut,
+}
+
+/// Serve one client connection over one upstream connection driven by hand.
+async fn raw_connection(
+    stream: tokio::net::TcpStream,
+    upstream: SocketAddr,
+    host: HeaderValue,
+    mount: Arc<str>,
+) {
+    let Ok(up) = tokio::net::TcpStream::connect(upstream).await else {
+        return;
+    };
+    let _ = up.set_nodelay(true);
+    let up = Arc::new(tokio::sync::Mutex::new(RawUpstream {
+        stream: up,
+        buf: bytes::BytesMut::with_capacity(8192),
+    }));
+    let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
+        let up = up.clone();
+        let host = host.clone();
+        let mount = mount.clone();
+        async move {
+            let resp = match raw_exchange(&up, req, &host, &mount).await {
+                Some(resp) => resp,
+                None => {
+                    let mut r = Response::new(Full::new(Bytes::new()));
+                    *r.status_mut() = StatusCode::BAD_GATEWAY;
+                    r
+                }
+            };
+            Ok::<_, Infallible>(resp)
+        }
+    });
+    let _ = http1().serve_connection(TokioIo::new(stream), svc).await;
+}
+
+async fn raw_exchange(
+    up: &tokio::sync::Mutex<RawUpstream>,
+    req: Request<Incoming>,
+    host: &HeaderValue,
+    mount: &str,
+) -> Option<Response<Full<Bytes>>> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (parts, body) = req.into_parts();
+    let body = body.collect().await.ok()?.to_bytes();
+    let pq = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    let rel = pq.strip_prefix(mount).unwrap_or(pq);
+    let mut out = Vec::with_capacity(256 + body.len());
+    out.extend_from_slice(parts.method.as_str().as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(rel.as_bytes());
+    out.extend_from_slice(b" HTTP/1.1\r\nhost: ");
+    out.extend_from_slice(host.as_bytes());
+    out.extend_from_slice(b"\r\nx-forwarded-for: 127.0.0.1\r\n");
+    for (name, value) in &parts.headers {
+        if name != HOST {
+            out.extend_from_slice(name.as_str().as_bytes());
+            out.extend_from_slice(b": ");
+            out.extend_from_slice(value.as_bytes());
+            out.extend_from_slice(b"\r\n");
+        }
+    }
+    out.extend_from_slice(b"\r\n");
+    out.extend_from_slice(&body);
+    let mut up = up.lock().await;
+    let up = &mut *up;
+    up.stream.write_all(&out).await.ok()?;
+    loop {
+        let mut headers = [httparse::EMPTY_HEADER; 32];
+        let mut parsed = httparse::Response::new(&mut headers);
+        if let httparse::Status::Complete(head_len) = parsed.parse(&up.buf).ok()? {
+            let mut resp = Response::new(Full::new(Bytes::new()));
+            *resp.status_mut() = StatusCode::from_u16(parsed.code?).ok()?;
+            let mut length = 0usize;
+            for h in parsed.headers.iter() {
+                if h.name.eq_ignore_ascii_case("content-length") {
+                    length = std::str::from_utf8(h.value).ok()?.parse().ok()?;
+                }
+                resp.headers_mut().append(
+                    http::header::HeaderName::from_bytes(h.name.as_bytes()).ok()?,
+                    HeaderValue::from_bytes(h.value).ok()?,
+                );
+            }
+            while up.buf.len() < head_len + length {
+                if up.stream.read_buf(&mut up.buf).await.ok()? == 0 {
+                    return None;
+                }
+            }
+            let mut message = up.buf.split_to(head_len + length).freeze();
+            *resp.body_mut() = Full::new(message.split_off(head_len));
+            return Some(resp);
+        }
+        if up.stream.read_buf(&mut up.buf).await.ok()? == 0 {
+            return None;
+        }
+    }
 }

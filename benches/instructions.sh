@@ -15,7 +15,9 @@
 # per request. valgrind hides the CPU's SHA extensions, so sha2 runs its portable code
 # under it: SHA-256 is printed apart. System time (about half of every request) is not
 # counted. Rows: idemproxy pass-through GET and POST and replays from memory; the bare
-# hyper proxy (GET and POST) and static answer (benches/hyper_floor.rs).
+# hyper proxy (GET and POST) and static answer (benches/hyper_floor.rs); on request
+# (ROWS="floor-raw floor-raw-post"), the bare hyper server with a hand-written upstream
+# client (docs/PERFORMANCE.md, item 24).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -130,10 +132,11 @@ proxy_row() {
   count "$name" "$mode" "$port" "$ROOT/target/release/idemproxy" serve --config "$cfg"
 }
 
-# floor_proxy_row NAME MODE: the bare hyper proxy in front of the same upstream.
+# floor_proxy_row NAME MODE [KIND]: the bare hyper proxy (KIND `proxy`, the default) or the
+# bare hyper server with a hand-written upstream client (`raw`) in front of the same upstream.
 floor_proxy_row() {
   local port; port=$(free_port)
-  count "$1" "$2" "$port" "$FLOOR" proxy --port "$port" --upstream "127.0.0.1:$UP_PORT" --mount /api
+  count "$1" "$2" "$port" "$FLOOR" "${3:-proxy}" --port "$port" --upstream "127.0.0.1:$UP_PORT" --mount /api
 }
 
 echo "Instructions per request (callgrind, one worker, $N requests in turn on one connection):"
@@ -149,6 +152,8 @@ for row in $ROWS; do
     idemproxy-replay) proxy_row idemproxy-replay replay ;;
     floor-proxy) floor_proxy_row floor-proxy get ;;
     floor-proxy-post) floor_proxy_row floor-proxy-post post ;;
+    floor-raw) floor_proxy_row floor-raw get raw ;;
+    floor-raw-post) floor_proxy_row floor-raw-post post raw ;;
     floor-static) port=$(free_port); count floor-static replay "$port" "$FLOOR" static --port "$port" ;;
     *) echo "unknown row $row" >&2; exit 1 ;;
   esac
