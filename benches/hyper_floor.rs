@@ -41,16 +41,33 @@ const ANSWER: &[u8] = br#"{"id":"msg_1","status":"queued"}"#;
 #[derive(Clone)]
 enum Mode {
     Static,
-    Proxy {
-        upstream: SocketAddr,
-        host: HeaderValue,
-        mount: Arc<str>,
-    },
-    Raw {
-        upstream: SocketAddr,
-        host: HeaderValue,
-        mount: Arc<str>,
-    },
+    /// Through hyper's client.
+    Proxy(Forward),
+    /// Through the hand-written client.
+    Raw(Forward),
+}
+
+/// Where a proxy mode forwards to.
+#[derive(Clone)]
+struct Forward {
+    upstream: SocketAddr,
+    host: HeaderValue,
+    mount: Arc<str>,
+}
+
+impl Forward {
+    /// The request's path and query with the mount taken off.
+    fn relative<'a>(&self, uri: &'a Uri) -> &'a str {
+        let pq = uri.path_and_query().map_or("/", |p| p.as_str());
+        pq.strip_prefix(&*self.mount).unwrap_or(pq)
+    }
+
+    /// A new upstream connection, with Nagle off as idemproxy's.
+    async fn connect(&self) -> Option<tokio::net::TcpStream> {
+        let up = tokio::net::TcpStream::connect(self.upstream).await.ok()?;
+        let _ = up.set_nodelay(true);
+        Some(up)
+    }
 }
 
 fn main() {
@@ -66,20 +83,17 @@ fn main() {
     let port: u16 = arg("--port").and_then(|p| p.parse().ok()).expect(usage);
     let mode = match args.get(1).map(String::as_str) {
         Some("static") => Mode::Static,
-        Some("proxy") => {
+        Some(kind @ ("proxy" | "raw")) => {
             let upstream = arg("--upstream").expect(usage);
-            Mode::Proxy {
+            let forward = Forward {
                 host: HeaderValue::from_str(&upstream).expect("upstream host"),
                 upstream: upstream.parse().expect("upstream HOST:PORT"),
                 mount: arg("--mount").unwrap_or_default().into(),
-            }
-        }
-        Some("raw") => {
-            let upstream = arg("--upstream").expect(usage);
-            Mode::Raw {
-                host: HeaderValue::from_str(&upstream).expect("upstream host"),
-                upstream: upstream.parse().expect("upstream HOST:PORT"),
-                mount: arg("--mount").unwrap_or_default().into(),
+            };
+            if kind == "raw" {
+                Mode::Raw(forward)
+            } else {
+                Mode::Proxy(forward)
             }
         }
         _ => panic!("{usage}"),
@@ -121,16 +135,8 @@ fn worker(listener: std::net::TcpListener, mode: Mode) {
                         let svc = hyper::service::service_fn(answer);
                         let _ = http1().serve_connection(TokioIo::new(stream), svc).await;
                     }
-                    Mode::Proxy {
-                        upstream,
-                        host,
-                        mount,
-                    } => proxy_connection(stream, upstream, host, mount).await,
-                    Mode::Raw {
-                        upstream,
-                        host,
-                        mount,
-                    } => raw_connection(stream, upstream, host, mount).await,
+                    Mode::Proxy(forward) => proxy_connection(stream, forward).await,
+                    Mode::Raw(forward) => raw_connection(stream, forward).await,
                 }
             });
         }
@@ -159,16 +165,11 @@ async fn answer(req: Request<Incoming>) -> Result<Response<Full<Bytes>>, Infalli
 }
 
 /// Serve one client connection over one upstream connection of its own.
-async fn proxy_connection(
-    stream: tokio::net::TcpStream,
-    upstream: SocketAddr,
-    host: HeaderValue,
-    mount: Arc<str>,
-) {
-    let Ok(up) = tokio::net::TcpStream::connect(upstream).await else {
+async fn proxy_connection(stream: tokio::net::TcpStream, forward: Forward) {
+    let Some(up) = forward.connect().await else {
         return;
     };
-    let _ = up.set_nodelay(true);
+    let forward = Arc::new(forward);
     let Ok((sender, conn)) = hyper::client::conn::http1::handshake(TokioIo::new(up)).await else {
         return;
     };
@@ -177,14 +178,12 @@ async fn proxy_connection(
     let sender = Arc::new(tokio::sync::Mutex::new(sender));
     let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
         let sender = sender.clone();
-        let host = host.clone();
-        let mount = mount.clone();
+        let forward = forward.clone();
         async move {
             let (mut parts, body) = req.into_parts();
-            let pq = parts.uri.path_and_query().map_or("/", |p| p.as_str());
-            let rel = pq.strip_prefix(&*mount).unwrap_or(pq);
-            parts.uri = Uri::try_from(rel).unwrap_or_else(|_| Uri::from_static("/"));
-            parts.headers.insert(HOST, host);
+            parts.uri = Uri::try_from(forward.relative(&parts.uri))
+                .unwrap_or_else(|_| Uri::from_static("/"));
+            parts.headers.insert(HOST, forward.host.clone());
             parts
                 .headers
                 .insert("x-forwarded-for", HeaderValue::from_static("127.0.0.1"));
@@ -214,26 +213,20 @@ struct RawUpstream {
 }
 
 /// Serve one client connection over one upstream connection driven by hand.
-async fn raw_connection(
-    stream: tokio::net::TcpStream,
-    upstream: SocketAddr,
-    host: HeaderValue,
-    mount: Arc<str>,
-) {
-    let Ok(up) = tokio::net::TcpStream::connect(upstream).await else {
+async fn raw_connection(stream: tokio::net::TcpStream, forward: Forward) {
+    let Some(up) = forward.connect().await else {
         return;
     };
-    let _ = up.set_nodelay(true);
+    let forward = Arc::new(forward);
     let up = Arc::new(tokio::sync::Mutex::new(RawUpstream {
         stream: up,
         buf: bytes::BytesMut::with_capacity(8192),
     }));
     let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
         let up = up.clone();
-        let host = host.clone();
-        let mount = mount.clone();
+        let forward = forward.clone();
         async move {
-            let resp = match raw_exchange(&up, req, &host, &mount).await {
+            let resp = match raw_exchange(&up, req, &forward).await {
                 Some(resp) => resp,
                 None => {
                     let mut r = Response::new(Full::new(Bytes::new()));
@@ -250,20 +243,18 @@ async fn raw_connection(
 async fn raw_exchange(
     up: &tokio::sync::Mutex<RawUpstream>,
     req: Request<Incoming>,
-    host: &HeaderValue,
-    mount: &str,
+    forward: &Forward,
 ) -> Option<Response<Full<Bytes>>> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let (parts, body) = req.into_parts();
     let body = body.collect().await.ok()?.to_bytes();
-    let pq = parts.uri.path_and_query().map_or("/", |p| p.as_str());
-    let rel = pq.strip_prefix(mount).unwrap_or(pq);
+    let rel = forward.relative(&parts.uri);
     let mut out = Vec::with_capacity(256 + body.len());
     out.extend_from_slice(parts.method.as_str().as_bytes());
     out.push(b' ');
     out.extend_from_slice(rel.as_bytes());
     out.extend_from_slice(b" HTTP/1.1\r\nhost: ");
-    out.extend_from_slice(host.as_bytes());
+    out.extend_from_slice(forward.host.as_bytes());
     out.extend_from_slice(b"\r\nx-forwarded-for: 127.0.0.1\r\n");
     for (name, value) in &parts.headers {
         if name != HOST {
