@@ -541,9 +541,18 @@ async fn cancelling_after_a_commit_keeps_the_commit_and_marks_the_operation() {
     )
     .await;
     let (pending_id, _) = approval_of(&pending);
-    let before = admin_get(&c, &proxy, &format!("/v1/executions/{sent_id}"))
-        .await
-        .json();
+    // The first answer's `result_delivered` mark is written after its body went out, by a
+    // task of its own: wait for it, so the snapshot below is not taken before it lands.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let before = loop {
+        let r = admin_get(&c, &proxy, &format!("/v1/executions/{sent_id}"))
+            .await
+            .json();
+        if r["state"] == "result_delivered" || Instant::now() > deadline {
+            break r;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
 
     let r = admin_post(&c, &proxy, "/v1/operations/op_late/cancel", json!({})).await;
     assert_eq!(r.status, StatusCode::OK, "{r:?}");
