@@ -84,6 +84,22 @@ async fn state_of(c: &TestClient, p: &ProxyProc, id: &str) -> String {
     r.json()["state"].as_str().expect("state").to_string()
 }
 
+/// The record of `id` once its `result_delivered` mark has landed (or after 10 s). The mark
+/// is written after the answer's body went out, by a task of its own, so a test that reads
+/// the record right after the answer races it.
+async fn once_delivered(c: &TestClient, p: &ProxyProc, id: &str) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = admin_get(c, p, &format!("/v1/executions/{id}"))
+            .await
+            .json();
+        if r["state"] == "result_delivered" || Instant::now() > deadline {
+            return r;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn every_endpoint_but_healthz_needs_the_token() {
     let (_dir, _ds, proxy) = setup().await;
@@ -541,18 +557,8 @@ async fn cancelling_after_a_commit_keeps_the_commit_and_marks_the_operation() {
     )
     .await;
     let (pending_id, _) = approval_of(&pending);
-    // The first answer's `result_delivered` mark is written after its body went out, by a
-    // task of its own: wait for it, so the snapshot below is not taken before it lands.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let before = loop {
-        let r = admin_get(&c, &proxy, &format!("/v1/executions/{sent_id}"))
-            .await
-            .json();
-        if r["state"] == "result_delivered" || Instant::now() > deadline {
-            break r;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    };
+    // Taken once the first answer's delivery mark is in, so the snapshot does not race it.
+    let before = once_delivered(&c, &proxy, &sent_id).await;
 
     let r = admin_post(&c, &proxy, "/v1/operations/op_late/cancel", json!({})).await;
     assert_eq!(r.status, StatusCode::OK, "{r:?}");
@@ -737,16 +743,9 @@ async fn an_unknown_outcome_is_resolved_through_the_api() {
     .await;
     assert_eq!(not.status, StatusCode::OK, "{not:?}");
     assert_eq!(not.json()["state"], "failed_before_commit");
-    // The replay's `result_delivered` mark is written after its body went out, by a task of
-    // its own: wait for it rather than race it (a loaded machine can run this test first).
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let r = admin_get(&c, &proxy, &format!("/v1/executions/{}", ids[0])).await;
-        if r.json()["state"] == "result_delivered" || Instant::now() > deadline {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    // The replay's delivery mark must be in before the record is decided again (a loaded
+    // machine can run this test first).
+    once_delivered(&c, &proxy, &ids[0]).await;
     // A decided record cannot be decided again.
     let twice = admin_post(
         &c,
