@@ -79,10 +79,7 @@ pub async fn forward(
                 } else {
                     let (mut rparts, rbody) = resp.into_parts();
                     downstream::response_headers(&mut rparts.headers);
-                    return Response::from_parts(
-                        rparts,
-                        rbody.map_err(|e| Box::new(e) as body::BoxError).boxed(),
-                    );
+                    return Response::from_parts(rparts, rbody.boxed());
                 }
             }
             Ok(Err(e)) => {

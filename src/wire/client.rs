@@ -4,10 +4,13 @@
 //! before any byte left ([`SendFailure::BeforeSend`]) or after ([`SendFailure::AfterSend`]).
 //!
 //! `https://` upstreams go through hyper-util's pooled client (TLS, ALPN, HTTP/2).
-//! `http://` upstreams (a sidecar, a service on the same network) go through [`Http1Pool`],
-//! this client's own HTTP/1.1 connections over `hyper::client::conn`: the pooled client's
-//! checkout, SipHashed pool keys, lazy connect future and per-response return task were
-//! about 11k of a pass-through's 43k instructions (docs/PERFORMANCE.md, item 21).
+//! `http://` upstreams (a sidecar, a service on the same network) go through [`h1`], a
+//! hand-written HTTP/1.1 exchange driven in the request's own task, for every request
+//! [`h1::fits`] (known body length up to 64 KiB, no `Expect`, no upgrade), and through
+//! [`Http1Pool`], this client's own connections over `hyper::client::conn`, for the rest.
+//! The pooled client's checkout, SipHashed pool keys, lazy connect future and per-response
+//! return task were about 11k of a pass-through's 43k instructions (docs/PERFORMANCE.md,
+//! item 21); hyper's connection task and dispatch another 9k (items 24 and 25).
 
 use std::path::Path;
 use std::pin::Pin;
@@ -30,6 +33,7 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::CertificateDer;
 
 use super::body::{BoxError, ProxyBody};
+use super::h1;
 
 /// A client for one upstream, with a cap on the requests it has in flight (and so on its
 /// connections). Without the cap, 1,000 concurrent clients opened over 1,100 upstream
@@ -37,6 +41,9 @@ use super::body::{BoxError, ProxyBody};
 #[derive(Clone)]
 pub struct HttpClient {
     tls: Client<HttpsConnector<HttpConnector>, ProxyBody>,
+    /// `http://` requests [`h1::fits`] takes: most of them.
+    direct: Arc<h1::Pool>,
+    /// The other `http://` requests: streamed or large bodies, `Expect`.
     plain: Arc<Http1Pool>,
     permits: Arc<Semaphore>,
 }
@@ -56,18 +63,26 @@ impl HttpClient {
         // The semaphore is never closed, so acquiring only waits.
         let permit = self.permits.clone().acquire_owned().await.ok();
         if req.uri().scheme() == Some(&Scheme::HTTP) {
+            if h1::fits(&req) {
+                let resp = self.direct.send(req).await?;
+                return Ok(resp.map(|body| Held {
+                    body: HeldBody::Direct(body),
+                    permit,
+                }));
+            }
             let (resp, conn) = self.plain.send(req).await?;
             return Ok(resp.map(|body| Held {
-                body,
+                body: HeldBody::Hyper {
+                    body,
+                    conn: Some(conn),
+                },
                 permit,
-                conn: Some(conn),
             }));
         }
         let resp = self.tls.request(req).await.map_err(SendError::pooled)?;
         Ok(resp.map(|body| Held {
-            body,
+            body: HeldBody::Hyper { body, conn: None },
             permit,
-            conn: None,
         }))
     }
 }
@@ -75,9 +90,18 @@ impl HttpClient {
 /// A response body holding its request's in-flight slot and, for [`Http1Pool`], its
 /// connection, which goes back to the pool once the body has been read to its end.
 pub struct Held {
-    body: Incoming,
+    body: HeldBody,
     permit: Option<OwnedSemaphorePermit>,
-    conn: Option<Pooled>,
+}
+
+enum HeldBody {
+    /// Read in this task by [`h1`], which returns its own connection.
+    Direct(h1::RawBody),
+    /// From a hyper connection task.
+    Hyper {
+        body: Incoming,
+        conn: Option<Pooled>,
+    },
 }
 
 impl std::fmt::Debug for Held {
@@ -88,13 +112,18 @@ impl std::fmt::Debug for Held {
 
 impl Body for Held {
     type Data = bytes::Bytes;
-    type Error = hyper::Error;
+    type Error = BoxError;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
-        let polled = Pin::new(&mut self.body).poll_frame(cx);
+        let polled = match &mut self.body {
+            HeldBody::Direct(body) => Pin::new(body).poll_frame(cx),
+            HeldBody::Hyper { body, .. } => Pin::new(body)
+                .poll_frame(cx)
+                .map_err(|e| Box::new(e) as BoxError),
+        };
         if matches!(polled, Poll::Ready(None)) {
             // Done: the connection can take the next request before this body is dropped.
             self.permit = None;
@@ -104,21 +133,29 @@ impl Body for Held {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
+        match &self.body {
+            HeldBody::Direct(body) => body.is_end_stream(),
+            HeldBody::Hyper { body, .. } => body.is_end_stream(),
+        }
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.body.size_hint()
+        match &self.body {
+            HeldBody::Direct(body) => body.size_hint(),
+            HeldBody::Hyper { body, .. } => body.size_hint(),
+        }
     }
 }
 
 impl Held {
-    /// Return the connection if its response was read to the end; one dropped half-way
-    /// is never reused (hyper closes it).
+    /// Return a hyper connection if its response was read to the end; one dropped
+    /// half-way is never reused (hyper closes it).
     fn give_back(&mut self) {
-        if self.body.is_end_stream() {
-            if let Some(conn) = self.conn.take() {
-                conn.pool.put(conn.authority, conn.sender);
+        if let HeldBody::Hyper { body, conn } = &mut self.body {
+            if body.is_end_stream() {
+                if let Some(conn) = conn.take() {
+                    conn.pool.put(conn.authority, conn.sender);
+                }
             }
         }
     }
@@ -226,27 +263,7 @@ impl Http1Pool {
         &self,
         authority: &Authority,
     ) -> Result<http1::SendRequest<ProxyBody>, SendError> {
-        let host = authority
-            .host()
-            .trim_start_matches('[')
-            .trim_end_matches(']');
-        let port = authority.port_u16().unwrap_or(80);
-        let stream = match tokio::time::timeout(
-            self.connect_timeout,
-            tokio::net::TcpStream::connect((host, port)),
-        )
-        .await
-        {
-            Ok(Ok(s)) => s,
-            Ok(Err(e)) => return Err(SendError::before("tcp connect error", e)),
-            Err(_) => {
-                return Err(SendError::before(
-                    "tcp connect error",
-                    std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out"),
-                ))
-            }
-        };
-        let _ = stream.set_nodelay(true);
+        let stream = connect_tcp(authority, self.connect_timeout).await?;
         let (sender, conn) = http1::handshake(TokioIo::new(stream))
             .await
             .map_err(|e| SendError::before("HTTP/1.1 handshake failed", e))?;
@@ -271,6 +288,31 @@ impl Http1Pool {
             });
         }
     }
+}
+
+/// A TCP connection to `authority` (port 80 by default) with Nagle off.
+pub(super) async fn connect_tcp(
+    authority: &Authority,
+    timeout: Duration,
+) -> Result<tokio::net::TcpStream, SendError> {
+    let host = authority
+        .host()
+        .trim_start_matches('[')
+        .trim_end_matches(']');
+    let port = authority.port_u16().unwrap_or(80);
+    let stream =
+        match tokio::time::timeout(timeout, tokio::net::TcpStream::connect((host, port))).await {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => return Err(SendError::before("tcp connect error", e)),
+            Err(_) => {
+                return Err(SendError::before(
+                    "tcp connect error",
+                    std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out"),
+                ))
+            }
+        };
+    let _ = stream.set_nodelay(true);
+    Ok(stream)
 }
 
 /// Turns an absolute request URI into the origin form an HTTP/1.1 request line carries,
@@ -305,7 +347,7 @@ pub struct SendError {
 }
 
 impl SendError {
-    fn before(what: &'static str, source: impl Into<BoxError>) -> SendError {
+    pub(super) fn before(what: &'static str, source: impl Into<BoxError>) -> SendError {
         SendError {
             failure: SendFailure::BeforeSend,
             what,
@@ -313,7 +355,7 @@ impl SendError {
         }
     }
 
-    fn after(what: &'static str, source: impl Into<BoxError>) -> SendError {
+    pub(super) fn after(what: &'static str, source: impl Into<BoxError>) -> SendError {
         SendError {
             failure: SendFailure::AfterSend,
             what,
@@ -405,6 +447,7 @@ pub fn build(
         .build(https);
     Ok(HttpClient {
         tls,
+        direct: Arc::new(h1::Pool::new(connect_timeout, IDLE_TIMEOUT, MAX_IN_FLIGHT)),
         plain: Arc::new(Http1Pool::new(connect_timeout)),
         permits: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
     })
