@@ -301,13 +301,10 @@ impl Conn {
         if self.buf.capacity() - self.buf.len() < READ_SPACE / 4 {
             self.buf.reserve(READ_SPACE);
         }
-        loop {
-            ready!(self.stream.poll_read_ready(cx))?;
-            match self.stream.try_read_buf(&mut self.buf) {
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                polled => return Poll::Ready(polled),
-            }
-        }
+        // Through AsyncRead rather than try_read: a short read tells tokio the socket is
+        // drained, so it drops the readiness (keeping an end, which is final) and the probe
+        // in `checkout` makes no system call while nothing arrived since.
+        tokio_util::io::poll_read_buf(Pin::new(&mut self.stream), cx, &mut self.buf)
     }
 
     async fn read_head(&mut self, method: &Method) -> Result<Head, HeadError> {
