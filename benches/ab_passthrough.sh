@@ -7,27 +7,23 @@ set -e
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OLD_BIN=${OLD_BIN:?set OLD_BIN to the other build}
 (cd "$ROOT" && cargo build --release --bin idemproxy -q)
-WORK=$(mktemp -d /tmp/idemproxy-ab.XXXXXX); mkdir -p $WORK/up/tmp
+WORK=$(mktemp -d /tmp/idemproxy-ab.XXXXXX)
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 UP_PORT=$(free_port)
-cat > $WORK/up/nginx.conf <<E2
-worker_processes 1; daemon off; pid $WORK/up/nginx.pid; error_log $WORK/up/error.log warn;
-events { worker_connections 8192; }
-http { access_log off; keepalive_requests 10000000; keepalive_timeout 300s; default_type application/json;
-  client_body_temp_path $WORK/up/tmp; proxy_temp_path $WORK/up/tmp; fastcgi_temp_path $WORK/up/tmp; uwsgi_temp_path $WORK/up/tmp; scgi_temp_path $WORK/up/tmp;
-  server { listen 127.0.0.1:$UP_PORT; location = /weather { return 200 '{"city":"paris","temp_c":21,"conditions":"clear"}'; } location / { return 200 '{"ok":true}'; } } }
-E2
+source "$ROOT/benches/config.sh"
+write_upstream_conf $WORK/up
 /usr/sbin/nginx -p $WORK/up -c $WORK/up/nginx.conf &
-source $ROOT/benches/config.sh
 start() { local cfg=$(write_config $1); IDEMPROXY_LOG=warn $2 serve --config $cfg > $WORK/$1.out 2>&1 & sleep 1; sed -n 's/^idemproxy listening on 127.0.0.1:\([0-9]*\)$/\1/p' $WORK/$1.out; }
 NEW=$(start new $ROOT/target/release/idemproxy); OLD=$(start old $OLD_BIN)
-BODY=$(python3 -c 'import json;print(json.dumps({"pad":"x"*490}))')
-echo "wrk.method='POST'; wrk.body='$BODY'; wrk.headers['Content-Type']='application/json'" > $WORK/post.lua
-for p in $NEW $OLD; do wrk -t2 -c32 -d2s http://127.0.0.1:$p/api/weather?city=paris >/dev/null; done
+# The benchmark's one request generator (benches/wrk/request.lua), as in benches/run.sh.
+REQ="$ROOT/benches/wrk/request.lua"
+get() { BENCH_METHOD=GET BENCH_PATH="/api/weather?city=paris" wrk -t2 -c32 -d$2 -s "$REQ" http://127.0.0.1:$1; }
+post() { BENCH_METHOD=POST BENCH_PATH=/api/echo BENCH_BODY=512 wrk -t2 -c32 -d$2 -s "$REQ" http://127.0.0.1:$1; }
+for p in $NEW $OLD; do get $p 2s >/dev/null; done
 for r in 1 2 3; do
  for v in old new; do p=$([ $v = new ] && echo $NEW || echo $OLD)
-  g=$(wrk -t2 -c32 -d5s http://127.0.0.1:$p/api/weather?city=paris | awk '/Requests\/sec/ {print int($2)}')
-  q=$(wrk -t2 -c32 -d5s -s $WORK/post.lua http://127.0.0.1:$p/api/echo | awk '/Requests\/sec/ {print int($2)}')
+  g=$(get $p 5s | awk '/Requests\/sec/ {print int($2)}')
+  q=$(post $p 5s | awk '/Requests\/sec/ {print int($2)}')
   echo "round $r $v GET $g POST $q"
  done
 done

@@ -1,5 +1,32 @@
-# The idemproxy config every benchmark runs with, sourced by benches/run.sh and
-# benches/instructions.sh (both set WORK, a scratch directory, and UP_PORT, the upstream).
+# The configs every benchmark runs with, sourced by benches/run.sh, benches/instructions.sh
+# and benches/ab_passthrough.sh (each sets WORK, a scratch directory, and UP_PORT, the upstream).
+
+# write_upstream_conf DIR: writes DIR/nginx.conf for the upstream every row goes to, nginx
+# answering static JSON on 127.0.0.1:$UP_PORT with `return` (no disk), one worker.
+write_upstream_conf() {
+  local d=$1; mkdir -p "$d/tmp"
+  cat > "$d/nginx.conf" <<EOF
+worker_processes 1;
+daemon off;
+pid $d/nginx.pid;
+error_log $d/error.log warn;
+events { worker_connections 8192; }
+http {
+  access_log off;
+  client_body_temp_path $d/tmp; proxy_temp_path $d/tmp; fastcgi_temp_path $d/tmp;
+  uwsgi_temp_path $d/tmp; scgi_temp_path $d/tmp;
+  keepalive_requests 10000000;
+  keepalive_timeout 300s;
+  default_type application/json;
+  server {
+    listen 127.0.0.1:$UP_PORT backlog=4096;
+    location = /weather { return 200 '{"city":"paris","temp_c":21,"conditions":"clear"}'; }
+    location = /send { return 201 '{"id":"msg_1","status":"queued"}'; }
+    location / { return 200 '{"ok":true}'; }
+  }
+}
+EOF
+}
 
 # write_config NAME [retention] [gc_interval] [replay_cache_bytes]: writes
 # $WORK/NAME/idemproxy.yaml and prints its path. /api/weather (GET) and /api/echo (POST)

@@ -41,23 +41,12 @@ wait_port() {
   echo "nothing listens on $1" >&2; return 1
 }
 
+# write_upstream_conf, write_config: benches/config.sh, shared with benches/run.sh.
+source "$ROOT/benches/config.sh"
+
 # The upstream: nginx answering static JSON, as in benches/run.sh.
-UP_PORT=$(free_port); mkdir -p "$WORK/up/tmp"
-cat > "$WORK/up/nginx.conf" <<EOF
-worker_processes 1; daemon off; pid $WORK/up/nginx.pid; error_log $WORK/up/error.log warn;
-events { worker_connections 1024; }
-http {
-  access_log off; keepalive_requests 10000000; default_type application/json;
-  client_body_temp_path $WORK/up/tmp; proxy_temp_path $WORK/up/tmp; fastcgi_temp_path $WORK/up/tmp;
-  uwsgi_temp_path $WORK/up/tmp; scgi_temp_path $WORK/up/tmp;
-  server {
-    listen 127.0.0.1:$UP_PORT;
-    location = /weather { return 200 '{"city":"paris","temp_c":21,"conditions":"clear"}'; }
-    location = /send { return 201 '{"id":"msg_1","status":"queued"}'; }
-    location / { return 200 '{"ok":true}'; }
-  }
-}
-EOF
+UP_PORT=$(free_port)
+write_upstream_conf "$WORK/up"
 "$NGINX" -p "$WORK/up" -c "$WORK/up/nginx.conf" & PIDS+=($!)
 wait_port "$UP_PORT"
 
@@ -125,7 +114,6 @@ EOF
 }
 
 # proxy_row NAME MODE: idemproxy with a store of its own.
-source "$ROOT/benches/config.sh"
 proxy_row() {
   local name=$1 mode=$2 port cfg; port=$(free_port)
   cfg=$(LISTEN="127.0.0.1:$port" write_config "$name")

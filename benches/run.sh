@@ -97,28 +97,8 @@ stop_pid() {
 # disk, so what differs between rows is the proxy. One worker keeps it off the second core.
 start_upstream() {
   UP_PORT=$(free_port)
-  local d="$WORK/upstream"; mkdir -p "$d/tmp"
-  cat > "$d/nginx.conf" <<EOF
-worker_processes 1;
-daemon off;
-pid $d/nginx.pid;
-error_log $d/error.log warn;
-events { worker_connections 8192; }
-http {
-  access_log off;
-  client_body_temp_path $d/tmp; proxy_temp_path $d/tmp; fastcgi_temp_path $d/tmp;
-  uwsgi_temp_path $d/tmp; scgi_temp_path $d/tmp;
-  keepalive_requests 10000000;
-  keepalive_timeout 300s;
-  default_type application/json;
-  server {
-    listen 127.0.0.1:$UP_PORT backlog=4096;
-    location = /weather { return 200 '{"city":"paris","temp_c":21,"conditions":"clear"}'; }
-    location = /send { return 201 '{"id":"msg_1","status":"queued"}'; }
-    location / { return 200 '{"ok":true}'; }
-  }
-}
-EOF
+  local d="$WORK/upstream"
+  write_upstream_conf "$d"
   "$NGINX" -p "$d" -c "$d/nginx.conf" &
   UP_PID=$!; PIDS+=("$UP_PID")
   wait_port "$UP_PORT"
@@ -179,7 +159,8 @@ start_floor() {
 }
 
 # --- idemproxy -----------------------------------------------------------------------------
-# write_config: benches/config.sh, shared with benches/instructions.sh.
+# write_config (and write_upstream_conf above): benches/config.sh, shared with
+# benches/instructions.sh and benches/ab_passthrough.sh.
 source "$ROOT/benches/config.sh"
 
 # start_proxy CONFIG: sets PX_PID and PX_PORT.
