@@ -180,59 +180,69 @@ impl Proxy {
                     Class::ReadOnly => {
                         passthrough::forward(&rt, client, &target, req, &peer, true).await
                     }
+                    // Boxed: the side-effect lifecycle's future is several KiB, and every
+                    // request's future is as large as its largest branch, so inline it would
+                    // make each pass-through request allocate and copy that much too.
                     Class::SideEffect => {
-                        let admitted = match side_effect::admit(self, &rt, &target, req).await {
-                            side_effect::Admit::Respond(resp) => return resp,
-                            other => other,
-                        };
-                        // A bounded number of calls go on to the store and the downstream
-                        // at once: past that they wait here, holding nothing but their
-                        // connection, instead of each holding a task, its records and a
-                        // place in the writer's queue (1,000 concurrent first executions
-                        // took over 140 MiB). The writer's batches stay full at the bound.
-                        let turn = match &admitted {
-                            side_effect::Admit::Protected(_) => {
-                                rt.shared.calls.clone().acquire_owned().await.ok()
-                            }
-                            _ => None,
-                        };
-                        let client = client.clone();
-                        // hyper drops the service future when the client disconnects. A
-                        // side effect must not stop half-way (it would sit `executing`
-                        // until a restart), so it runs as its own task to completion.
-                        let owned = target.to_owned_ref();
-                        let proxy = self.clone();
-                        let rt = rt.clone();
-                        let task = tokio::spawn(async move {
-                            let _turn = turn;
-                            let target = owned.bind(&rt.config.upstreams);
-                            match admitted {
-                                side_effect::Admit::Protected(call) => {
-                                    side_effect::run(&proxy, &rt, &client, &target, call, &peer)
-                                        .await
-                                }
-                                side_effect::Admit::Unprotected(req) => {
-                                    side_effect::unprotected(
-                                        &proxy, &rt, &client, &target, req, &peer,
-                                    )
-                                    .await
-                                }
-                                side_effect::Admit::Respond(resp) => resp,
-                            }
-                        });
-                        match task.await {
-                            Ok(resp) => resp,
-                            Err(e) => {
-                                tracing::error!(error = %e, "side-effect task failed");
-                                Problem::new(
-                                    Kind::Internal,
-                                    "the request handler failed; see the proxy log",
-                                )
-                                .into_response()
-                            }
-                        }
+                        Box::pin(self.side_effect(&rt, client, target, req, peer)).await
                     }
                 }
+            }
+        }
+    }
+
+    /// A request on a side-effect route: admission (key, fingerprint, replay), then the
+    /// call under its record, as a task of its own.
+    async fn side_effect(
+        self: &Arc<Self>,
+        rt: &Arc<Runtime>,
+        client: &HttpClient,
+        target: Target<'_>,
+        req: Request<Incoming>,
+        peer: ClientAddr,
+    ) -> Response<ProxyBody> {
+        let admitted = match side_effect::admit(self, rt, &target, req).await {
+            side_effect::Admit::Respond(resp) => return resp,
+            other => other,
+        };
+        // A bounded number of calls go on to the store and the downstream
+        // at once: past that they wait here, holding nothing but their
+        // connection, instead of each holding a task, its records and a
+        // place in the writer's queue (1,000 concurrent first executions
+        // took over 140 MiB). The writer's batches stay full at the bound.
+        let turn = match &admitted {
+            side_effect::Admit::Protected(_) => rt.shared.calls.clone().acquire_owned().await.ok(),
+            _ => None,
+        };
+        let client = client.clone();
+        // hyper drops the service future when the client disconnects. A
+        // side effect must not stop half-way (it would sit `executing`
+        // until a restart), so it runs as its own task to completion.
+        let owned = target.to_owned_ref();
+        let proxy = self.clone();
+        let rt = rt.clone();
+        let task = tokio::spawn(async move {
+            let _turn = turn;
+            let target = owned.bind(&rt.config.upstreams);
+            match admitted {
+                side_effect::Admit::Protected(call) => {
+                    side_effect::run(&proxy, &rt, &client, &target, call, &peer).await
+                }
+                side_effect::Admit::Unprotected(req) => {
+                    side_effect::unprotected(&proxy, &rt, &client, &target, req, &peer).await
+                }
+                side_effect::Admit::Respond(resp) => resp,
+            }
+        });
+        match task.await {
+            Ok(resp) => resp,
+            Err(e) => {
+                tracing::error!(error = %e, "side-effect task failed");
+                Problem::new(
+                    Kind::Internal,
+                    "the request handler failed; see the proxy log",
+                )
+                .into_response()
             }
         }
     }

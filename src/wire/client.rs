@@ -70,7 +70,9 @@ impl HttpClient {
                     permit,
                 }));
             }
-            let (resp, conn) = self.plain.send(req).await?;
+            // Boxed, as the rare case: the common request's future stays small (every
+            // request's future is as large as its largest branch).
+            let (resp, conn) = Box::pin(self.plain.send(req)).await?;
             return Ok(resp.map(|body| Held {
                 body: HeldBody::Hyper {
                     body,
