@@ -357,30 +357,30 @@ impl Conn {
         // finds, and the spans grow as they are pushed.
         let mut spans: SmallVec<[(usize, usize, usize, usize); 32]> = SmallVec::new();
         let base = self.buf.as_ptr() as usize;
-        let (len, code, version, count) =
-            {
-                let mut headers =
-                    [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
-                let mut parsed = httparse::Response::new(&mut []);
-                let len = match httparse::ParserConfig::default()
-                    .parse_response_with_uninit_headers(&mut parsed, &self.buf, &mut headers)
-                {
-                    Ok(httparse::Status::Complete(len)) => len,
-                    Ok(httparse::Status::Partial) => return Ok(None),
-                    Err(e) => return Err(HeadError::Invalid(format!("bad response head: {e}"))),
-                };
-                let code = parsed.code.unwrap_or(0);
-                let version = match parsed.version {
-                    Some(0) => Version::HTTP_10,
-                    _ => Version::HTTP_11,
-                };
-                for h in parsed.headers.iter() {
-                    let name = h.name.as_ptr() as usize - base;
-                    let value = h.value.as_ptr() as usize - base;
-                    spans.push((name, name + h.name.len(), value, value + h.value.len()));
-                }
-                (len, code, version, parsed.headers.len())
+        let (len, code, version) = {
+            let mut headers = [const { MaybeUninit::uninit() }; MAX_HEADERS];
+            let mut parsed = httparse::Response::new(&mut []);
+            let status = httparse::ParserConfig::default().parse_response_with_uninit_headers(
+                &mut parsed,
+                &self.buf,
+                &mut headers,
+            );
+            let len = match status {
+                Ok(httparse::Status::Complete(len)) => len,
+                Ok(httparse::Status::Partial) => return Ok(None),
+                Err(e) => return Err(HeadError::Invalid(format!("bad response head: {e}"))),
             };
+            for h in parsed.headers.iter() {
+                let name = h.name.as_ptr() as usize - base;
+                let value = h.value.as_ptr() as usize - base;
+                spans.push((name, name + h.name.len(), value, value + h.value.len()));
+            }
+            let version = match parsed.version {
+                Some(0) => Version::HTTP_10,
+                _ => Version::HTTP_11,
+            };
+            (len, parsed.code.unwrap_or(0), version)
+        };
         if (100..200).contains(&code) && code != 101 {
             self.buf.advance(len);
             return Ok(Some(None));
@@ -390,11 +390,11 @@ impl Conn {
             .filter(|s| *s != StatusCode::SWITCHING_PROTOCOLS)
             .ok_or_else(|| HeadError::Invalid(format!("unexpected status {code}")))?;
         let head = self.buf.split_to(len).freeze();
-        let mut headers = HeaderMap::with_capacity(count);
+        let mut headers = HeaderMap::with_capacity(spans.len());
         let mut length: Option<u64> = None;
         let mut transfer_encoding: Option<bool> = None;
         let (mut close, mut keep) = (false, false);
-        for &(ns, ne, vs, ve) in &spans[..count] {
+        for &(ns, ne, vs, ve) in &spans {
             let name = HeaderName::from_bytes(&head[ns..ne])
                 .map_err(|_| HeadError::Invalid("bad header name".into()))?;
             let value = HeaderValue::from_maybe_shared(head.slice(vs..ve))
