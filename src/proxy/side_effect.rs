@@ -246,15 +246,10 @@ async fn read_body(
     if declared.is_some_and(|n| n > limit as u64) {
         return Err(too_large());
     }
-    match Limited::new(incoming, limit).collect().await {
-        Ok(c) => Ok(c.to_bytes()),
-        Err(e)
-            if e.downcast_ref::<http_body_util::LengthLimitError>()
-                .is_some() =>
-        {
-            Err(too_large())
-        }
-        Err(e) => Err(Box::new(
+    match body::read_all(incoming, limit).await {
+        Ok(b) => Ok(b),
+        Err(body::ReadError::TooLarge) => Err(too_large()),
+        Err(body::ReadError::Body(e)) => Err(Box::new(
             Problem::new(
                 Kind::BadRequest,
                 format!("could not read the request body: {e}"),

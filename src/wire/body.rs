@@ -4,7 +4,7 @@
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::{combinators::BoxBody, BodyExt, Empty, Full};
 
@@ -19,6 +19,50 @@ pub fn empty() -> ProxyBody {
     Empty::<Bytes>::new()
         .map_err(|never| match never {})
         .boxed()
+}
+
+/// Why [`read_all`] gave up.
+#[derive(Debug)]
+pub enum ReadError<E> {
+    /// The body's data went past the limit; what was read is dropped.
+    TooLarge,
+    Body(E),
+}
+
+/// All of `body`'s data, at most `limit` bytes, as one `Bytes`; trailers are dropped.
+/// A body of one chunk (hyper hands a small request body over as one) comes back as that
+/// chunk: no copy and no queue, where `http_body_util`'s `collect` allocates a queue for
+/// every body and copies whenever there is more than one chunk.
+pub async fn read_all<B>(mut body: B, limit: usize) -> Result<Bytes, ReadError<B::Error>>
+where
+    B: Body<Data = Bytes> + Unpin,
+{
+    let mut first: Option<Bytes> = None;
+    let mut joined: Option<BytesMut> = None;
+    let mut len = 0usize;
+    while let Some(frame) = body.frame().await {
+        let Ok(data) = frame.map_err(ReadError::Body)?.into_data() else {
+            continue;
+        };
+        len = len.saturating_add(data.len());
+        if len > limit {
+            return Err(ReadError::TooLarge);
+        }
+        if let Some(buf) = joined.as_mut() {
+            buf.extend_from_slice(&data);
+        } else if let Some(head) = first.take() {
+            let mut buf = BytesMut::with_capacity(len.max(body.size_hint().lower() as usize));
+            buf.extend_from_slice(&head);
+            buf.extend_from_slice(&data);
+            joined = Some(buf);
+        } else {
+            first = Some(data);
+        }
+    }
+    Ok(match joined {
+        Some(buf) => buf.freeze(),
+        None => first.unwrap_or_default(),
+    })
 }
 
 /// A body that runs `on_end` once its last frame has been taken by hyper. If the client
@@ -62,5 +106,57 @@ impl<B: Body + Unpin> Body for NotifyOnEnd<B> {
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures_util::stream;
+    use http_body_util::StreamBody;
+
+    fn chunks(
+        parts: &[&'static str],
+    ) -> StreamBody<impl futures_util::Stream<Item = Result<Frame<Bytes>, BoxError>> + Unpin> {
+        let frames: Vec<Result<Frame<Bytes>, BoxError>> = parts
+            .iter()
+            .map(|p| Ok(Frame::data(Bytes::from_static(p.as_bytes()))))
+            .chain(std::iter::once(Ok(Frame::trailers(http::HeaderMap::new()))))
+            .collect();
+        StreamBody::new(stream::iter(frames))
+    }
+
+    #[tokio::test]
+    async fn read_all_joins_chunks_in_order_and_drops_trailers() {
+        assert_eq!(read_all(chunks(&[]), 10).await.unwrap(), Bytes::new());
+        assert_eq!(read_all(chunks(&["abc"]), 10).await.unwrap(), "abc");
+        assert_eq!(
+            read_all(chunks(&["ab", "", "cd", "e"]), 10).await.unwrap(),
+            "abcde"
+        );
+    }
+
+    #[tokio::test]
+    async fn read_all_stops_past_the_limit() {
+        assert!(read_all(chunks(&["abcde"]), 5).await.is_ok());
+        assert!(matches!(
+            read_all(chunks(&["abc", "def"]), 5).await,
+            Err(ReadError::TooLarge)
+        ));
+        assert!(matches!(
+            read_all(chunks(&["abcdef"]), 5).await,
+            Err(ReadError::TooLarge)
+        ));
+    }
+
+    #[tokio::test]
+    async fn read_all_passes_body_errors_on() {
+        let frames: Vec<Result<Frame<Bytes>, BoxError>> =
+            vec![Ok(Frame::data(Bytes::from_static(b"a"))), Err("cut".into())];
+        let body = StreamBody::new(stream::iter(frames));
+        match read_all(body, 10).await {
+            Err(ReadError::Body(e)) => assert_eq!(e.to_string(), "cut"),
+            other => panic!("expected the body's error, got {other:?}"),
+        }
     }
 }

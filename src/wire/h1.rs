@@ -43,7 +43,6 @@ use http::header::{HeaderMap, HeaderName, HeaderValue};
 use http::uri::Authority;
 use http::{header, Method, Request, Response, StatusCode, Version};
 use http_body::{Body, Frame, SizeHint};
-use http_body_util::BodyExt;
 use smallvec::SmallVec;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
@@ -133,10 +132,18 @@ impl Pool {
                 let body = if body.is_end_stream() {
                     Bytes::new()
                 } else {
-                    body.collect()
+                    // [`fits`] took only bodies of a known size within the limit.
+                    super::body::read_all(body, MAX_BUFFERED_BODY as usize)
                         .await
-                        .map_err(|e| SendError::before("reading the request body failed", e))?
-                        .to_bytes()
+                        .map_err(|e| {
+                            let e = match e {
+                                super::body::ReadError::Body(e) => e,
+                                super::body::ReadError::TooLarge => {
+                                    "the request body is longer than it said".into()
+                                }
+                            };
+                            SendError::before("reading the request body failed", e)
+                        })?
                 };
                 message = encode(&parts, &authority, &body);
             }
@@ -746,6 +753,7 @@ impl std::fmt::Debug for RawBody {
 mod tests {
     use super::*;
     use crate::wire::client::{classify, SendFailure};
+    use http_body_util::BodyExt;
     use std::io::{Read, Write};
     use std::sync::atomic::{AtomicUsize, Ordering};
 
