@@ -246,17 +246,16 @@ async fn read_body(
     if declared.is_some_and(|n| n > limit as u64) {
         return Err(too_large());
     }
-    match body::read_all(incoming, limit).await {
-        Ok(b) => Ok(b),
-        Err(body::ReadError::TooLarge) => Err(too_large()),
-        Err(body::ReadError::Body(e)) => Err(Box::new(
+    body::read_all(incoming, limit).await.map_err(|e| match e {
+        body::ReadError::TooLarge => too_large(),
+        body::ReadError::Body(e) => Box::new(
             Problem::new(
                 Kind::BadRequest,
                 format!("could not read the request body: {e}"),
             )
             .into_response(),
-        )),
-    }
+        ),
+    })
 }
 
 /// One side-effect request with its identity resolved.

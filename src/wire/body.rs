@@ -29,6 +29,16 @@ pub enum ReadError<E> {
     Body(E),
 }
 
+impl ReadError<BoxError> {
+    /// The body's own error, or one saying the limit was passed.
+    pub fn into_boxed(self) -> BoxError {
+        match self {
+            ReadError::TooLarge => "the body is longer than the limit".into(),
+            ReadError::Body(e) => e,
+        }
+    }
+}
+
 /// All of `body`'s data, at most `limit` bytes, as one `Bytes`; trailers are dropped.
 /// A body of one chunk (hyper hands a small request body over as one) comes back as that
 /// chunk: no copy and no queue, where `http_body_util`'s `collect` allocates a queue for
@@ -37,32 +47,30 @@ pub async fn read_all<B>(mut body: B, limit: usize) -> Result<Bytes, ReadError<B
 where
     B: Body<Data = Bytes> + Unpin,
 {
-    let mut first: Option<Bytes> = None;
+    let mut first = Bytes::new();
     let mut joined: Option<BytesMut> = None;
-    let mut len = 0usize;
     while let Some(frame) = body.frame().await {
         let Ok(data) = frame.map_err(ReadError::Body)?.into_data() else {
             continue;
         };
-        len = len.saturating_add(data.len());
+        let len = joined.as_ref().map_or(first.len(), |b| b.len()) + data.len();
         if len > limit {
             return Err(ReadError::TooLarge);
         }
         if let Some(buf) = joined.as_mut() {
             buf.extend_from_slice(&data);
-        } else if let Some(head) = first.take() {
-            let mut buf = BytesMut::with_capacity(len.max(body.size_hint().lower() as usize));
-            buf.extend_from_slice(&head);
+        } else if first.is_empty() {
+            first = data;
+        } else if !data.is_empty() {
+            // Room for what the body says is still to come, within the limit.
+            let rest = body.size_hint().lower() as usize;
+            let mut buf = BytesMut::with_capacity(len.saturating_add(rest).min(limit));
+            buf.extend_from_slice(&first);
             buf.extend_from_slice(&data);
             joined = Some(buf);
-        } else {
-            first = Some(data);
         }
     }
-    Ok(match joined {
-        Some(buf) => buf.freeze(),
-        None => first.unwrap_or_default(),
-    })
+    Ok(joined.map_or(first, BytesMut::freeze))
 }
 
 /// A body that runs `on_end` once its last frame has been taken by hyper. If the client

@@ -129,6 +129,7 @@ impl Pool {
             // The body is read once there is a connection to write it to, so that its end
             // (which the `in_flight` failpoint watches for) means the request is going out.
             if let Some(body) = body.take() {
+                // An empty body is not polled: its end would read as the request going out.
                 let body = if body.is_end_stream() {
                     Bytes::new()
                 } else {
@@ -136,13 +137,7 @@ impl Pool {
                     super::body::read_all(body, MAX_BUFFERED_BODY as usize)
                         .await
                         .map_err(|e| {
-                            let e = match e {
-                                super::body::ReadError::Body(e) => e,
-                                super::body::ReadError::TooLarge => {
-                                    "the request body is longer than it said".into()
-                                }
-                            };
-                            SendError::before("reading the request body failed", e)
+                            SendError::before("reading the request body failed", e.into_boxed())
                         })?
                 };
                 message = encode(&parts, &authority, &body);
