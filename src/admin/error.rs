@@ -34,7 +34,7 @@ impl AdminError {
         let detail = self.to_string();
         match self {
             AdminError::Unauthorized => Problem::new(Kind::Unauthorized, detail).header(
-                "www-authenticate",
+                http::header::WWW_AUTHENTICATE,
                 HeaderValue::from_static("Bearer realm=\"idemproxy-admin\""),
             ),
             AdminError::BadRequest(_) => Problem::new(Kind::BadRequest, detail),
@@ -42,7 +42,7 @@ impl AdminError {
             AdminError::NoEndpoint(_) => Problem::new(Kind::NotFound, detail),
             AdminError::MethodNotAllowed { allow, .. } => {
                 Problem::new(Kind::MethodNotAllowed, detail)
-                    .header("allow", HeaderValue::from_static(allow))
+                    .header(http::header::ALLOW, HeaderValue::from_static(allow))
             }
             AdminError::Action(a) => match a {
                 ActionError::NotFound(id) => Problem::new(Kind::NotFound, detail).execution(&id),
@@ -56,7 +56,7 @@ impl AdminError {
                 }
                 ActionError::Contended(id) => Problem::new(Kind::Conflict, detail)
                     .execution(&id)
-                    .header("retry-after", HeaderValue::from_static("1")),
+                    .header(http::header::RETRY_AFTER, HeaderValue::from_static("1")),
                 ActionError::Store(StoreError::Corrupt { .. }) => {
                     Problem::new(Kind::Internal, detail)
                 }

@@ -284,7 +284,10 @@ pub fn judge(
                     status,
                     headers: vec![
                         ("content-type".into(), content_type),
-                        (crate::wire::headers::RECONCILED.into(), b"lookup".to_vec()),
+                        (
+                            crate::wire::headers::RECONCILED.as_str().into(),
+                            b"lookup".to_vec(),
+                        ),
                     ],
                     body,
                 },
@@ -548,7 +551,7 @@ mod tests {
         assert!(result
             .headers
             .iter()
-            .any(|(n, v)| n == crate::wire::headers::RECONCILED && v == b"lookup"));
+            .any(|(n, v)| n == crate::wire::headers::RECONCILED.as_str() && v == b"lookup"));
     }
 
     #[test]

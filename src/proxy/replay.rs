@@ -216,7 +216,12 @@ mod tests {
         let names: Vec<_> = resp.headers().keys().map(|n| n.as_str()).collect();
         assert_eq!(
             names,
-            ["content-type", "set-cookie", EXECUTION_ID, REPLAYED],
+            [
+                "content-type",
+                "set-cookie",
+                EXECUTION_ID.as_str(),
+                REPLAYED.as_str()
+            ],
             "the stored order, then the proxy's own"
         );
         let body = futures_util::FutureExt::now_or_never(http_body_util::BodyExt::collect(

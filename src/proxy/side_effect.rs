@@ -512,7 +512,7 @@ impl Call<'_> {
             "an attempt with this key is executing; retry later to get its result",
         )
         .execution(&self.id)
-        .header("retry-after", HeaderValue::from_static("1"))
+        .header(http::header::RETRY_AFTER, HeaderValue::from_static("1"))
         .into_response()
     }
 
@@ -780,7 +780,7 @@ impl Call<'_> {
             .header(STATUS, HeaderValue::from_static("outcome_unknown"));
         if let Some(d) = retry_after {
             let secs = d.as_millis().div_ceil(1000).max(1);
-            p = p.header("retry-after", HeaderValue::from(secs as u64));
+            p = p.header(http::header::RETRY_AFTER, HeaderValue::from(secs as u64));
         }
         p.into_response()
     }

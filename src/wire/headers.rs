@@ -7,11 +7,14 @@ use std::net::SocketAddr;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use smallvec::SmallVec;
 
-pub const EXECUTION_ID: &str = "idempotency-execution-id";
-pub const REPLAYED: &str = "idempotent-replayed";
-pub const STATUS: &str = "idempotency-status";
+// The proxy's own response headers, as names over static bytes: inserting a `&str` would
+// copy the name into a fresh allocation per map, and every clone of such a name (a replay
+// from memory clones its entry's map) would touch that allocation's reference count.
+pub const EXECUTION_ID: HeaderName = HeaderName::from_static("idempotency-execution-id");
+pub const REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+pub const STATUS: HeaderName = HeaderName::from_static("idempotency-status");
 /// On a result that came from a reconciliation lookup rather than the original answer.
-pub const RECONCILED: &str = "idempotency-reconciled";
+pub const RECONCILED: HeaderName = HeaderName::from_static("idempotency-reconciled");
 
 /// The hop-by-hop headers (RFC 9110 section 7.6.1 and the common non-standard ones).
 const HOP_BY_HOP: [&str; 9] = [

@@ -2,7 +2,7 @@
 //! `type` = `urn:idemproxy:problem:NAME`. The mapping from a problem name to its HTTP status
 //! lives here and nowhere else.
 
-use http::{HeaderValue, Response, StatusCode};
+use http::{HeaderName, HeaderValue, Response, StatusCode};
 use serde_json::{json, Map, Value};
 
 use super::body::{full, ProxyBody};
@@ -130,7 +130,7 @@ pub struct Problem {
     pub detail: String,
     pub execution_id: Option<ExecutionId>,
     pub extra: Map<String, Value>,
-    pub headers: Vec<(&'static str, HeaderValue)>,
+    pub headers: Vec<(HeaderName, HeaderValue)>,
 }
 
 impl Problem {
@@ -154,7 +154,7 @@ impl Problem {
         self
     }
 
-    pub fn header(mut self, name: &'static str, value: HeaderValue) -> Problem {
+    pub fn header(mut self, name: HeaderName, value: HeaderValue) -> Problem {
         self.headers.push((name, value));
         self
     }
