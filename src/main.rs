@@ -10,9 +10,9 @@ use clap::{Parser, Subcommand, ValueEnum};
 /// on every request on each worker thread. With 1,000 connections glibc's per-thread arenas
 /// peaked at 89 MiB where mimalloc (built without transparent huge pages) stays lower, and
 /// allocation was about a tenth of the pass-through profile (docs/PERFORMANCE.md).
-/// The crate's default mimalloc v3, not its `v2` feature: v2 took a replay's allocator
-/// share from 7.7% to 2.0% of the proxy's CPU but cost first executions 6-12% more CPU per
-/// request, and first executions are the common path (docs/PERFORMANCE.md, item 28).
+/// mimalloc's v2 line (the `v2` feature), not the crate's default v3: under v3 a replay
+/// spent 7.7% of the proxy's CPU in the allocator, most of it taking fresh pages and
+/// reading the clock, and 2.0% under v2 (docs/PERFORMANCE.md, item 28).
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
