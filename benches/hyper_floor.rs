@@ -18,7 +18,8 @@
 //!       pass-through would cost without hyper's client dispatch channel and connection
 //!       task. A measurement, not a client.
 //!
-//! `IDEMPROXY_WORKERS` sets the worker threads, as for idemproxy (default: one per CPU).
+//! `IDEMPROXY_WORKERS` sets the worker threads and `IDEMPROXY_PIN_WORKERS=0` leaves them
+//! unpinned, as for idemproxy (default: one per CPU, each pinned to its own).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -98,16 +99,24 @@ fn main() {
         }
         _ => panic!("{usage}"),
     };
-    // The proxy's own rule for its worker threads.
-    let workers = Options::from_env(Duration::ZERO).workers;
+    // The proxy's own rule for its worker threads, pinning included.
+    let options = Options::from_env(Duration::ZERO);
+    let workers = options.workers;
+    let cpus = idemproxy::wire::server::cpu_plan(workers, options.pin);
     let listener = std::net::TcpListener::bind(("127.0.0.1", port)).expect("bind");
     listener.set_nonblocking(true).expect("nonblocking");
     println!("hyper_floor listening on 127.0.0.1:{port}");
     let threads: Vec<_> = (0..workers)
-        .map(|_| {
+        .map(|i| {
             let listener = listener.try_clone().expect("listener");
             let mode = mode.clone();
-            std::thread::spawn(move || worker(listener, mode))
+            let cpu = cpus.as_ref().map(|c| c[i]);
+            std::thread::spawn(move || {
+                if let Some(cpu) = cpu {
+                    core_affinity::set_for_current(cpu);
+                }
+                worker(listener, mode)
+            })
         })
         .collect();
     for t in threads {

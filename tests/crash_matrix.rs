@@ -11,7 +11,7 @@
 //!
 //! Only compiled with the failpoints: `cargo test --features failpoints --test crash_matrix`
 //! (CI runs it that way; a plain `cargo test` skips this file). Deterministic by default
-//! (one trial per cell, no delays). `benches/crash_matrix.sh` runs many randomised trials
+//! (one trial per cell, no delays). `scripts/crash_matrix.sh` runs many randomised trials
 //! per cell (random commit delays, kill and restart timing, client backoff) through the
 //! environment: `CRASH_MATRIX_TRIALS`, `CRASH_MATRIX_SEED`, `CRASH_MATRIX_JOBS`,
 //! `CRASH_MATRIX_REPORT` (a file to write the result table to, as Markdown).

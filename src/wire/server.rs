@@ -6,7 +6,10 @@
 //! and a connection stays on the worker it was handed to: a proxied request then never
 //! wakes another thread (with one work-stealing runtime, every request did, twice; see
 //! docs/PERFORMANCE.md). The accept loop runs on the caller's runtime and deals
-//! connections out in turn.
+//! connections out in turn. When there are no more workers than CPUs the process may use,
+//! each worker is pinned to a CPU of its own (`IDEMPROXY_PIN_WORKERS=0` turns this off):
+//! left to float, two busy workers on a two-core machine kept landing on one CPU and
+//! stalling each other's connections for milliseconds (docs/PERFORMANCE.md, item 29).
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -31,10 +34,13 @@ pub struct Options {
     pub workers: usize,
     /// How long shutdown waits for in-flight requests.
     pub grace: Duration,
+    /// Pin each worker to a CPU of its own, when there are CPUs enough.
+    pub pin: bool,
 }
 
 impl Options {
-    /// One worker per CPU, unless `IDEMPROXY_WORKERS` says otherwise.
+    /// One worker per CPU, unless `IDEMPROXY_WORKERS` says otherwise; workers pinned
+    /// unless `IDEMPROXY_PIN_WORKERS` is `0`, `false` or `off`.
     pub fn from_env(grace: Duration) -> Options {
         let workers = std::env::var("IDEMPROXY_WORKERS")
             .ok()
@@ -42,8 +48,39 @@ impl Options {
             .filter(|n| *n > 0)
             .or_else(|| std::thread::available_parallelism().map(|n| n.get()).ok())
             .unwrap_or(1);
-        Options { workers, grace }
+        let pin = std::env::var("IDEMPROXY_PIN_WORKERS")
+            .map(|v| {
+                !matches!(
+                    v.trim().to_ascii_lowercase().as_str(),
+                    "0" | "false" | "off"
+                )
+            })
+            .unwrap_or(true);
+        Options {
+            workers,
+            grace,
+            pin,
+        }
     }
+}
+
+/// The CPU for each of `workers` workers, in order, or `None` to leave them unpinned:
+/// when pinning is off, or there are more workers than CPUs this process may run on
+/// (its affinity mask, which a container's cpuset narrows), or that mask cannot be read.
+pub fn cpu_plan(workers: usize, pin: bool) -> Option<Vec<core_affinity::CoreId>> {
+    if !pin {
+        return None;
+    }
+    let cpus = core_affinity::get_core_ids()?;
+    if workers > cpus.len() {
+        tracing::info!(
+            workers,
+            cpus = cpus.len(),
+            "more server workers than CPUs; workers are not pinned"
+        );
+        return None;
+    }
+    Some(cpus.into_iter().take(workers).collect())
 }
 
 /// Serve on the caller's runtime until `shutdown` resolves, then drain for at most
@@ -135,14 +172,26 @@ pub async fn serve_on_workers<M, H, F>(
 {
     let mut queues = Vec::new();
     let mut finished = Vec::new();
-    for i in 0..options.workers.max(1) {
+    let workers = options.workers.max(1);
+    let cpus = cpu_plan(workers, options.pin);
+    for i in 0..workers {
         let (tx, rx) = mpsc::unbounded_channel();
         let (done_tx, done_rx) = oneshot::channel::<()>();
         let handler = make_handler();
         let stop = shutdown.clone();
+        let cpu = cpus.as_ref().map(|c| c[i]);
         let spawned = std::thread::Builder::new()
             .name(format!("idemproxy-worker-{i}"))
             .spawn(move || {
+                if let Some(cpu) = cpu {
+                    if !core_affinity::set_for_current(cpu) {
+                        tracing::warn!(
+                            worker = i,
+                            cpu = cpu.id,
+                            "cannot pin a server worker to its CPU; it runs unpinned"
+                        );
+                    }
+                }
                 worker(rx, handler, stop, options.grace);
                 let _ = done_tx.send(());
             });
