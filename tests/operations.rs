@@ -187,3 +187,80 @@ async fn retention_gc_and_offline_commands() {
     assert_eq!(r.header("idempotent-replayed"), Some("true"), "{r:?}");
     assert_eq!(ds.hits_on("/drop-after-commit/send"), 1);
 }
+
+/// The CPUs in a `Cpus_allowed_list` line of `/proc/.../status` ("0-3,6").
+fn cpu_list(status: &str) -> Vec<usize> {
+    let line = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .expect("Cpus_allowed_list in /proc status");
+    let mut cpus = Vec::new();
+    for part in line.trim().split(',') {
+        match part.split_once('-') {
+            Some((a, b)) => cpus.extend(a.parse::<usize>().unwrap()..=b.parse::<usize>().unwrap()),
+            None => cpus.push(part.parse().unwrap()),
+        }
+    }
+    cpus
+}
+
+/// Each server worker thread's CPUs, once `want` workers exist and `ready` holds for
+/// them (a worker pins itself as it starts, just after the listener is announced).
+fn worker_cpus(pid: u32, want: usize, ready: impl Fn(&[Vec<usize>]) -> bool) -> Vec<Vec<usize>> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut seen = Vec::new();
+        for task in std::fs::read_dir(format!("/proc/{pid}/task")).expect("task dir") {
+            let task = task.expect("task").path();
+            let comm = std::fs::read_to_string(task.join("comm")).unwrap_or_default();
+            if comm.trim() == "idemproxy-worke" {
+                let status = std::fs::read_to_string(task.join("status")).expect("status");
+                seen.push(cpu_list(&status));
+            }
+        }
+        if seen.len() == want && ready(&seen) {
+            return seen;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "workers never reached the expected CPUs: {seen:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn workers_are_pinned_one_per_cpu_unless_told_not_to() {
+    let own = cpu_list(&std::fs::read_to_string("/proc/self/status").expect("status"));
+    assert!(
+        own.len() >= 2,
+        "this test needs at least two CPUs to tell pinned workers from unpinned ones; it has {own:?}"
+    );
+    let n = own.len().to_string();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let yaml = config(dir.path(), "http://127.0.0.1:9");
+
+    // One worker per CPU: worker i on the i-th CPU of the mask, each alone.
+    let proxy = ProxyProc::start_with_env(dir.path(), &yaml, &[("IDEMPROXY_WORKERS", &n)]);
+    let mut pinned = worker_cpus(proxy.pid(), own.len(), |w| w.iter().all(|c| c.len() == 1));
+    proxy.terminate();
+    pinned.sort();
+    let expected: Vec<Vec<usize>> = own.iter().map(|c| vec![*c]).collect();
+    assert_eq!(pinned, expected, "one worker on each CPU");
+
+    // Switched off: every worker may run on every CPU.
+    let proxy = ProxyProc::start_with_env(
+        dir.path(),
+        &yaml,
+        &[("IDEMPROXY_WORKERS", &n), ("IDEMPROXY_PIN_WORKERS", "0")],
+    );
+    let free = worker_cpus(proxy.pid(), own.len(), |_| true);
+    proxy.terminate();
+    assert!(free.iter().all(|c| *c == own), "unpinned: {free:?}");
+
+    // Fewer workers than CPUs: not pinned, so they are not crowded onto the first CPUs.
+    let proxy = ProxyProc::start_with_env(dir.path(), &yaml, &[("IDEMPROXY_WORKERS", "1")]);
+    let one = worker_cpus(proxy.pid(), 1, |_| true);
+    proxy.terminate();
+    assert_eq!(one, vec![own.clone()], "a lone worker is not pinned");
+}

@@ -6,10 +6,11 @@
 //! and a connection stays on the worker it was handed to: a proxied request then never
 //! wakes another thread (with one work-stealing runtime, every request did, twice; see
 //! docs/PERFORMANCE.md). The accept loop runs on the caller's runtime and deals
-//! connections out in turn. When there are no more workers than CPUs the process may use,
-//! each worker is pinned to a CPU of its own (`IDEMPROXY_PIN_WORKERS=0` turns this off):
-//! left to float, two busy workers on a two-core machine kept landing on one CPU and
-//! stalling each other's connections for milliseconds (docs/PERFORMANCE.md, item 29).
+//! connections out in turn. With one worker per CPU the process may use (the default),
+//! each worker is pinned to its CPU (`IDEMPROXY_PIN_WORKERS=0` turns this off):
+//! left to the scheduler, the workers of a busy two-core machine were off their CPUs for
+//! milliseconds at a time, and that was the pass-through's p99 (docs/PERFORMANCE.md,
+//! item 29).
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -34,7 +35,7 @@ pub struct Options {
     pub workers: usize,
     /// How long shutdown waits for in-flight requests.
     pub grace: Duration,
-    /// Pin each worker to a CPU of its own, when there are CPUs enough.
+    /// Pin each worker to a CPU of its own, when there is one worker per CPU.
     pub pin: bool,
 }
 
@@ -64,23 +65,26 @@ impl Options {
     }
 }
 
-/// The CPU for each of `workers` workers, in order, or `None` to leave them unpinned:
-/// when pinning is off, or there are more workers than CPUs this process may run on
-/// (its affinity mask, which a container's cpuset narrows), or that mask cannot be read.
+/// The CPU for each of `workers` workers, in order, or `None` to leave them unpinned.
+/// Workers are pinned only when there is exactly one per CPU this process may run on (its
+/// affinity mask, which `taskset` or a container's cpuset narrows): with fewer, pinning
+/// would crowd them, and every other instance on the host, onto the first CPUs; with
+/// more, some would share a CPU they cannot leave. Also `None` when pinning is off or the
+/// mask cannot be read.
 pub fn cpu_plan(workers: usize, pin: bool) -> Option<Vec<core_affinity::CoreId>> {
     if !pin {
         return None;
     }
     let cpus = core_affinity::get_core_ids()?;
-    if workers > cpus.len() {
-        tracing::info!(
+    if workers != cpus.len() {
+        tracing::debug!(
             workers,
             cpus = cpus.len(),
-            "more server workers than CPUs; workers are not pinned"
+            "server workers are not one per CPU; they are not pinned"
         );
         return None;
     }
-    Some(cpus.into_iter().take(workers).collect())
+    Some(cpus)
 }
 
 /// Serve on the caller's runtime until `shutdown` resolves, then drain for at most
