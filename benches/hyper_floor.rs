@@ -32,7 +32,7 @@ use http::{Request, Response, StatusCode, Uri};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use idemproxy::wire::server::Options;
+use idemproxy::wire::server::{pin_current_thread, Options};
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -102,7 +102,7 @@ fn main() {
     // The proxy's own rule for its worker threads, pinning included.
     let options = Options::from_env(Duration::ZERO);
     let workers = options.workers;
-    let cpus = idemproxy::wire::server::cpu_plan(workers, options.pin);
+    let cpus = options.cpu_plan();
     let listener = std::net::TcpListener::bind(("127.0.0.1", port)).expect("bind");
     listener.set_nonblocking(true).expect("nonblocking");
     println!("hyper_floor listening on 127.0.0.1:{port}");
@@ -110,11 +110,9 @@ fn main() {
         .map(|i| {
             let listener = listener.try_clone().expect("listener");
             let mode = mode.clone();
-            let cpu = cpus.as_ref().map(|c| c[i]);
+            let cpu = cpus.as_ref().and_then(|c| c.get(i).copied());
             std::thread::spawn(move || {
-                if let Some(cpu) = cpu {
-                    core_affinity::set_for_current(cpu);
-                }
+                pin_current_thread(i, cpu);
                 worker(listener, mode)
             })
         })

@@ -63,28 +63,42 @@ impl Options {
             pin,
         }
     }
+
+    /// The CPU for each worker, in order, or `None` to leave them unpinned. Workers are
+    /// pinned only when there is exactly one per CPU this process may run on (its affinity
+    /// mask, which `taskset` or a container's cpuset narrows): with fewer, pinning would
+    /// crowd them, and every other instance on the host, onto the first CPUs; with more,
+    /// some would share a CPU they cannot leave. Also `None` when pinning is off or the
+    /// mask cannot be read.
+    pub fn cpu_plan(&self) -> Option<Vec<core_affinity::CoreId>> {
+        if !self.pin {
+            return None;
+        }
+        let workers = self.workers.max(1);
+        let cpus = core_affinity::get_core_ids()?;
+        if workers != cpus.len() {
+            tracing::debug!(
+                workers,
+                cpus = cpus.len(),
+                "server workers are not one per CPU; they are not pinned"
+            );
+            return None;
+        }
+        Some(cpus)
+    }
 }
 
-/// The CPU for each of `workers` workers, in order, or `None` to leave them unpinned.
-/// Workers are pinned only when there is exactly one per CPU this process may run on (its
-/// affinity mask, which `taskset` or a container's cpuset narrows): with fewer, pinning
-/// would crowd them, and every other instance on the host, onto the first CPUs; with
-/// more, some would share a CPU they cannot leave. Also `None` when pinning is off or the
-/// mask cannot be read.
-pub fn cpu_plan(workers: usize, pin: bool) -> Option<Vec<core_affinity::CoreId>> {
-    if !pin {
-        return None;
-    }
-    let cpus = core_affinity::get_core_ids()?;
-    if workers != cpus.len() {
-        tracing::debug!(
-            workers,
-            cpus = cpus.len(),
-            "server workers are not one per CPU; they are not pinned"
+/// Pins the calling thread, worker `worker`, to its CPU from [`Options::cpu_plan`], if it
+/// has one. A refusal (a mask changed since the plan) leaves it unpinned, with a warning.
+pub fn pin_current_thread(worker: usize, cpu: Option<core_affinity::CoreId>) {
+    let Some(cpu) = cpu else { return };
+    if !core_affinity::set_for_current(cpu) {
+        tracing::warn!(
+            worker,
+            cpu = cpu.id,
+            "cannot pin a server worker to its CPU; it runs unpinned"
         );
-        return None;
     }
-    Some(cpus)
 }
 
 /// Serve on the caller's runtime until `shutdown` resolves, then drain for at most
@@ -176,26 +190,17 @@ pub async fn serve_on_workers<M, H, F>(
 {
     let mut queues = Vec::new();
     let mut finished = Vec::new();
-    let workers = options.workers.max(1);
-    let cpus = cpu_plan(workers, options.pin);
-    for i in 0..workers {
+    let cpus = options.cpu_plan();
+    for i in 0..options.workers.max(1) {
         let (tx, rx) = mpsc::unbounded_channel();
         let (done_tx, done_rx) = oneshot::channel::<()>();
         let handler = make_handler();
         let stop = shutdown.clone();
-        let cpu = cpus.as_ref().map(|c| c[i]);
+        let cpu = cpus.as_ref().and_then(|c| c.get(i).copied());
         let spawned = std::thread::Builder::new()
             .name(format!("idemproxy-worker-{i}"))
             .spawn(move || {
-                if let Some(cpu) = cpu {
-                    if !core_affinity::set_for_current(cpu) {
-                        tracing::warn!(
-                            worker = i,
-                            cpu = cpu.id,
-                            "cannot pin a server worker to its CPU; it runs unpinned"
-                        );
-                    }
-                }
+                pin_current_thread(i, cpu);
                 worker(rx, handler, stop, options.grace);
                 let _ = done_tx.send(());
             });
