@@ -2,6 +2,7 @@
 //! Writes go through one writer thread that group-commits them (one fsync per batch, see
 //! [`writer`]); reads use their own read transactions and never wait for the writer.
 
+mod delivery;
 mod tables;
 #[cfg(test)]
 mod tests;
@@ -13,10 +14,10 @@ use std::sync::{Arc, OnceLock};
 
 use ::redb::{CompactionError, Database, DatabaseError};
 use async_trait::async_trait;
-use tokio::sync::oneshot;
 
+use self::delivery::Reply;
 use self::tables::Snapshot;
-use self::writer::{Command, Reply, Writer};
+use self::writer::{Command, Writer};
 use crate::policy::identity::ExecutionId;
 use crate::store::{Claim, ListFilter, OperationMark, Record, Store, StoreError, StoreResult};
 
@@ -184,7 +185,7 @@ impl RedbStore {
             .writer
             .as_ref()
             .ok_or_else(|| StoreError::Backend("the redb writer is not running".into()))?;
-        let (reply, answer) = oneshot::channel();
+        let (reply, answer) = delivery::channel();
         writer.send(command(reply))?;
         #[cfg(test)]
         self.shared.test.submitted.fetch_add(1, Ordering::SeqCst);

@@ -187,6 +187,66 @@ async fn fifty_racing_claims_have_one_winner() {
     assert_eq!(after.writes - before.writes, 50);
 }
 
+/// Callers on current-thread runtimes (the server's worker threads) get their answers
+/// through their runtime's mailbox: one batch wakes each runtime once, however many of its
+/// callers the batch answers, and every caller gets its own answer.
+#[test]
+fn one_batch_wakes_each_current_thread_runtime_once() {
+    let (_dir, store) = open_temp();
+    let store = Arc::new(store);
+    let hooks = &store.shared.test;
+    hooks.paused.store(true, Ordering::SeqCst);
+    let callers: Vec<_> = (0..2)
+        .map(|t| {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("runtime");
+                rt.block_on(async move {
+                    let tasks: Vec<_> = (0..20)
+                        .map(|i| {
+                            let store = store.clone();
+                            let id = format!("ex_home_{t}_{i:02}");
+                            tokio::spawn(async move {
+                                (id.clone(), store.claim(record(&id, None, 100)).await)
+                            })
+                        })
+                        .collect();
+                    let mut answers = Vec::new();
+                    for task in tasks {
+                        answers.push(task.await.expect("task"));
+                    }
+                    answers
+                })
+            })
+        })
+        .collect();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while hooks.submitted.load(Ordering::SeqCst) < 40 {
+        assert!(std::time::Instant::now() < deadline, "claims never queued");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    hooks.paused.store(false, Ordering::SeqCst);
+    for caller in callers {
+        let answers = caller.join().expect("caller thread");
+        assert_eq!(answers.len(), 20);
+        for (id, answer) in answers {
+            match answer.expect("claim") {
+                Claim::Claimed(r) => assert_eq!(r.id.as_str(), id),
+                Claim::Existing(r) => panic!("{id}: found {r:?}"),
+            }
+        }
+    }
+    assert_eq!(store.stats().commits, 1, "the 40 claims shared one commit");
+    assert_eq!(
+        hooks.homes_woken.load(Ordering::SeqCst),
+        2,
+        "each runtime woken once for its 20 answers"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_updates_share_commits_and_a_conflict_spares_the_batch() {
     let (_dir, store) = open_temp();

@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::thread::{self, JoinHandle};
 
 use ::redb::Durability;
-use tokio::sync::oneshot;
 
+use super::delivery::{self, Reply};
 use super::tables::WriteTables;
 use super::Shared;
 use crate::store::{Claim, OperationMark, Record, StoreError, StoreResult};
@@ -17,8 +17,6 @@ use crate::store::{Claim, OperationMark, Record, StoreError, StoreResult};
 /// Commands per write transaction. Large enough that a burst shares one fsync; small
 /// enough that one batch's transaction (and the wait of its first caller) stays short.
 pub(super) const BATCH_CAP: usize = 256;
-
-pub(super) type Reply<T> = oneshot::Sender<StoreResult<T>>;
 
 /// One write, with the channel its caller waits on.
 pub(super) enum Command {
@@ -63,23 +61,23 @@ impl Command {
 }
 
 fn refuse<T>(reply: Reply<T>, reason: &str) {
-    // A caller that went away (its future was dropped) needs no answer.
-    let _ = reply.send(Err(StoreError::Backend(reason.to_string())));
+    reply.send(Err(StoreError::Backend(reason.to_string())));
 }
 
 /// A command applied inside the open transaction; its result is held until the commit.
-struct Answer<T> {
+pub(super) struct Answer<T> {
     reply: Reply<T>,
     result: StoreResult<T>,
 }
 
 impl<T> Answer<T> {
     fn send(self) {
-        let _ = self.reply.send(self.result);
+        self.reply.send(self.result);
     }
 }
 
-enum Applied {
+/// A command's answer, held until its batch is durable.
+pub(super) enum Applied {
     Claim(Answer<Claim>),
     Record(Answer<Record>),
     Count(Answer<u64>),
@@ -87,12 +85,22 @@ enum Applied {
 }
 
 impl Applied {
-    fn send(self) {
+    pub(super) fn send(self) {
         match self {
             Applied::Claim(a) => a.send(),
             Applied::Record(a) => a.send(),
             Applied::Count(a) => a.send(),
             Applied::Mark(a) => a.send(),
+        }
+    }
+
+    /// The mailbox of the runtime its caller waits on, if it has one.
+    pub(super) fn home(&self) -> Option<&std::sync::Arc<delivery::Home>> {
+        match self {
+            Applied::Claim(a) => a.reply.home(),
+            Applied::Record(a) => a.reply.home(),
+            Applied::Count(a) => a.reply.home(),
+            Applied::Mark(a) => a.reply.home(),
         }
     }
 
@@ -164,7 +172,9 @@ fn commit_batch(shared: &Shared, batch: &mut Vec<Command>) {
             shared.writes.fetch_add(count, Ordering::Relaxed);
             // Lets a test of the real binary see that concurrent writes shared a commit.
             tracing::debug!(writes = count, "group commit durable");
-            applied.into_iter().for_each(Applied::send);
+            let _woken = delivery::deliver(applied);
+            #[cfg(test)]
+            shared.test.homes_woken.fetch_add(_woken, Ordering::SeqCst);
         }
         Err((reason, applied)) => {
             let reason = shared.fail(reason);
@@ -287,6 +297,8 @@ pub(super) struct TestHooks {
     pub(super) paused: std::sync::atomic::AtomicBool,
     /// Commands handed to the writer so far.
     pub(super) submitted: std::sync::atomic::AtomicUsize,
+    /// Caller runtimes woken to take a batch's answers, over all batches.
+    pub(super) homes_woken: std::sync::atomic::AtomicUsize,
 }
 
 #[cfg(test)]
