@@ -133,6 +133,8 @@ pub async fn start(cfg: Config, store: Arc<dyn Store>) -> anyhow::Result<Running
     let lease = cfg.store.lease;
     let gc_every = cfg.store.gc_interval;
     let reconcile_every = cfg.store.reconcile_interval;
+    // Read once at start, like `listen`: a reload does not change the listener.
+    let cfg_max_header_bytes = cfg.limits.max_header_bytes;
     let exclusive = matches!(cfg.store.backend, StoreBackend::Redb { .. });
     // A redb file is locked by one process: every `executing` record in it belongs to a
     // previous run that died, whatever its lease says. A shared store waits for leases.
@@ -168,7 +170,10 @@ pub async fn start(cfg: Config, store: Arc<dyn Store>) -> anyhow::Result<Running
     // not when its client happens to retry.
     let reconciler = crate::proxy::reconcile::spawn(proxy.clone(), reconcile_every);
     let p = proxy.clone();
-    let options = crate::wire::server::Options::from_env(Duration::from_secs(30));
+    let options = crate::wire::server::Options {
+        max_header_bytes: cfg_max_header_bytes,
+        ..crate::wire::server::Options::from_env(Duration::from_secs(30))
+    };
     let task = tokio::spawn(async move {
         let make_handler = move || {
             let worker = Worker::new(p.clone());
@@ -222,7 +227,8 @@ pub async fn serve(cfg: Config) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// SIGHUP: routes, limits and identity change live; listen address and store need a restart.
+/// SIGHUP: routes, limits and identity change live; listen address, store and
+/// `limits.max_header_bytes` need a restart.
 fn reload(proxy: &Proxy, source: &std::path::Path) {
     match Config::load(source) {
         Ok(cfg) => {
@@ -231,6 +237,12 @@ fn reload(proxy: &Proxy, source: &std::path::Path) {
                 tracing::warn!(
                     "listen address changes need a restart; keeping {}",
                     old.config.listen
+                );
+            }
+            if cfg.limits.max_header_bytes != old.config.limits.max_header_bytes {
+                tracing::warn!(
+                    "limits.max_header_bytes changes need a restart; keeping {}",
+                    old.config.limits.max_header_bytes
                 );
             }
             let admin_of = |c: &Config| c.admin.as_ref().map(|a| (a.listen, a.token_env.clone()));

@@ -389,6 +389,39 @@ async fn bad_keys_and_bodies_are_refused_before_anything_is_sent() {
     assert_eq!(ok.status, StatusCode::CREATED);
 }
 
+/// A request head larger than `limits.max_header_bytes` (8 KiB by default) is answered
+/// `431` and nothing is sent; a config that raises the limit takes the same request.
+#[tokio::test(flavor = "multi_thread")]
+async fn request_heads_over_the_header_limit_get_431() {
+    let (_dir, ds, proxy) = setup().await;
+    let trace = "t".repeat(9 * 1024);
+    let big_head = [("idempotency-key", "k-head"), ("x-trace", trace.as_str())];
+    let r = post(&client(), &proxy.url("/mail/send"), &big_head, "{}").await;
+    assert_eq!(r.status, StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE);
+    assert_eq!(ds.hits(), 0, "nothing reached the downstream");
+    // The connection was closed; a new one with a small head is served.
+    let ok = post(
+        &client(),
+        &proxy.url("/mail/send"),
+        &[("idempotency-key", "k-head")],
+        "{}",
+    )
+    .await;
+    assert_eq!(ok.status, StatusCode::CREATED);
+    assert_eq!(ds.hits(), 1);
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let yaml = config(dir.path(), &ds.url()).replace(
+        "limits: { max_body_bytes: 4096, max_key_bytes: 64 }",
+        "limits: { max_body_bytes: 4096, max_key_bytes: 64, max_header_bytes: 32768 }",
+    );
+    assert!(yaml.contains("max_header_bytes: 32768"));
+    let raised = ProxyProc::start(dir.path(), &yaml);
+    let r = post(&client(), &raised.url("/mail/send"), &big_head, "{}").await;
+    assert_eq!(r.status, StatusCode::CREATED, "{r:?}");
+    assert_eq!(ds.hits(), 2);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn read_only_routes_pass_through_unrecorded_with_retries() {
     let dir = tempfile::tempdir().expect("tempdir");

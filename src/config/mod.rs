@@ -81,6 +81,9 @@ pub struct Limits {
     /// Keyed side-effect calls past admission at once; more wait their turn before
     /// anything durable happens (see `proxy::Proxy::handle_on`).
     pub max_calls_in_flight: usize,
+    /// The largest request head (request line and headers) the listener reads; a larger
+    /// one is answered `431` (see `wire::server::Options::max_header_bytes`).
+    pub max_header_bytes: usize,
 }
 
 #[derive(Debug, Clone)]

@@ -52,6 +52,7 @@ pub struct RawLimits {
     pub max_response_bytes: Option<u64>,
     pub replay_cache_bytes: Option<u64>,
     pub max_calls_in_flight: Option<u64>,
+    pub max_header_bytes: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]

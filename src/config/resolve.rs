@@ -345,6 +345,31 @@ impl Validator {
             // 0 is allowed here: it turns the cache off.
             replay_cache_bytes: l.replay_cache_bytes.unwrap_or(16 * 1024 * 1024),
             max_calls_in_flight: get("limits.max_calls_in_flight", l.max_calls_in_flight, 64),
+            max_header_bytes: self.max_header_bytes(l.max_header_bytes),
+        }
+    }
+
+    fn max_header_bytes(&mut self, v: Option<u64>) -> usize {
+        use crate::wire::server::{DEFAULT_MAX_HEADER_BYTES, MAX_MAX_HEADER_BYTES};
+        match v {
+            None => DEFAULT_MAX_HEADER_BYTES,
+            Some(n) if n < DEFAULT_MAX_HEADER_BYTES as u64 => {
+                self.err(
+                    "limits.max_header_bytes",
+                    format!(
+                        "must be at least {DEFAULT_MAX_HEADER_BYTES} (the smallest read buffer of the HTTP/1 server), found {n}"
+                    ),
+                );
+                DEFAULT_MAX_HEADER_BYTES
+            }
+            Some(n) if n > MAX_MAX_HEADER_BYTES as u64 => {
+                self.err(
+                    "limits.max_header_bytes",
+                    format!("must be at most {MAX_MAX_HEADER_BYTES}, found {n}"),
+                );
+                DEFAULT_MAX_HEADER_BYTES
+            }
+            Some(n) => n as usize,
         }
     }
 

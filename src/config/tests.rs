@@ -57,7 +57,25 @@ fn defaults_follow_the_spec() {
     assert_eq!(up.routes[1].class, Class::ReadOnly);
     assert_eq!(cfg.limits.max_body_bytes, 1024 * 1024);
     assert_eq!(cfg.limits.max_key_bytes, 255);
+    assert_eq!(cfg.limits.max_header_bytes, 8192);
     assert!(matches!(cfg.store.backend, StoreBackend::Redb { .. }));
+}
+
+#[test]
+fn max_header_bytes_is_bounded_by_what_the_server_can_read() {
+    let yaml = |n: u64| {
+        format!(
+            "limits: {{ max_header_bytes: {n} }}\nupstreams:\n  - name: m\n    url: http://127.0.0.1:1\n    routes:\n      - {{ name: s, match: {{ method: POST, path: /s }} }}\n"
+        )
+    };
+    let cfg = from_yaml(&yaml(65536), Path::new("cfg.yaml")).expect("valid");
+    assert_eq!(cfg.limits.max_header_bytes, 65536);
+    for (n, why) in [(4096, "at least 8192"), (2 << 20, "at most 1048576")] {
+        let text = errors(&yaml(n));
+        assert!(text.contains("cfg.yaml"), "{text}");
+        assert!(text.contains("limits.max_header_bytes"), "{text}");
+        assert!(text.contains(why), "{text}");
+    }
 }
 
 #[test]

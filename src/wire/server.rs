@@ -37,7 +37,20 @@ pub struct Options {
     pub grace: Duration,
     /// Pin each worker to a CPU of its own, when there is one worker per CPU.
     pub pin: bool,
+    /// The largest HTTP/1 request head read (request line and headers; `limits.max_header_bytes`).
+    /// A larger head is answered `431 Request Header Fields Too Large` and the connection
+    /// closed. It is also the most a connection's read buffer grows to, and that is why the
+    /// default is hyper's smallest: with any larger bound, the first bytes the HTTP/2
+    /// detection reads ahead made every connection's 8 KiB buffer double to 16 KiB on its
+    /// first request, 8 MB per 1,000 connections (docs/PERFORMANCE.md, item 31).
+    pub max_header_bytes: usize,
 }
+
+/// `limits.max_header_bytes` by default: 8 KiB, as nginx's longest header line and
+/// Apache's longest field. hyper's HTTP/1 server accepts nothing smaller.
+pub const DEFAULT_MAX_HEADER_BYTES: usize = 8 * 1024;
+/// The largest `limits.max_header_bytes` accepted.
+pub const MAX_MAX_HEADER_BYTES: usize = 1024 * 1024;
 
 impl Options {
     /// One worker per CPU, unless `IDEMPROXY_WORKERS` says otherwise; workers pinned
@@ -61,6 +74,7 @@ impl Options {
             workers,
             grace,
             pin,
+            max_header_bytes: DEFAULT_MAX_HEADER_BYTES,
         }
     }
 
@@ -112,7 +126,7 @@ pub async fn serve<H, F>(
     H: Fn(Request<Incoming>, ClientAddr) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<ProxyBody>> + Send + 'static,
 {
-    let builder = http_builder();
+    let builder = http_builder(DEFAULT_MAX_HEADER_BYTES);
     let graceful = GracefulShutdown::new();
     tokio::pin!(shutdown);
     loop {
@@ -140,11 +154,12 @@ pub async fn serve<H, F>(
     }
 }
 
-fn http_builder() -> auto::Builder<TokioExecutor> {
+fn http_builder(max_header_bytes: usize) -> auto::Builder<TokioExecutor> {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
         .keep_alive(true)
+        .max_buf_size(max_header_bytes.max(DEFAULT_MAX_HEADER_BYTES))
         .timer(hyper_util::rt::TokioTimer::new());
     builder.http2().timer(hyper_util::rt::TokioTimer::new());
     builder
@@ -201,7 +216,7 @@ pub async fn serve_on_workers<M, H, F>(
             .name(format!("idemproxy-worker-{i}"))
             .spawn(move || {
                 pin_current_thread(i, cpu);
-                worker(rx, handler, stop, options.grace);
+                worker(rx, handler, stop, options);
                 let _ = done_tx.send(());
             });
         match spawned {
@@ -268,7 +283,7 @@ fn worker<H, F>(
     mut conns: mpsc::UnboundedReceiver<(std::net::TcpStream, SocketAddr)>,
     handler: H,
     mut shutdown: watch::Receiver<bool>,
-    grace: Duration,
+    options: Options,
 ) where
     H: Fn(Request<Incoming>, ClientAddr) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<ProxyBody>> + Send + 'static,
@@ -284,7 +299,7 @@ fn worker<H, F>(
         }
     };
     rt.block_on(async move {
-        let builder = http_builder();
+        let builder = http_builder(options.max_header_bytes);
         let graceful = GracefulShutdown::new();
         loop {
             tokio::select! {
@@ -305,7 +320,7 @@ fn worker<H, F>(
         // The handler holds this worker's upstream clients; their idle pooled connections
         // are tasks too, and must not count as work to wait for below.
         drop(handler);
-        let deadline = tokio::time::Instant::now() + grace;
+        let deadline = tokio::time::Instant::now() + options.grace;
         tokio::select! {
             _ = graceful.shutdown() => tracing::debug!("worker drained its connections"),
             _ = tokio::time::sleep_until(deadline) => tracing::warn!("grace period over; closing remaining connections"),
