@@ -134,7 +134,7 @@ pub async fn start(cfg: Config, store: Arc<dyn Store>) -> anyhow::Result<Running
     let gc_every = cfg.store.gc_interval;
     let reconcile_every = cfg.store.reconcile_interval;
     // Read once at start, like `listen`: a reload does not change the listener.
-    let cfg_max_header_bytes = cfg.limits.max_header_bytes;
+    let max_header_bytes = cfg.limits.max_header_bytes;
     let exclusive = matches!(cfg.store.backend, StoreBackend::Redb { .. });
     // A redb file is locked by one process: every `executing` record in it belongs to a
     // previous run that died, whatever its lease says. A shared store waits for leases.
@@ -171,7 +171,7 @@ pub async fn start(cfg: Config, store: Arc<dyn Store>) -> anyhow::Result<Running
     let reconciler = crate::proxy::reconcile::spawn(proxy.clone(), reconcile_every);
     let p = proxy.clone();
     let options = crate::wire::server::Options {
-        max_header_bytes: cfg_max_header_bytes,
+        max_header_bytes,
         ..crate::wire::server::Options::from_env(Duration::from_secs(30))
     };
     let task = tokio::spawn(async move {
