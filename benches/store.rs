@@ -265,24 +265,28 @@ async fn prefill(cfg: &Config, from: u64, to: u64) -> anyhow::Result<serde_json:
     }))
 }
 
-/// Live data of the (stopped) proxy's store: record count and their stored bytes (keys +
-/// JSON values of the records table, their expiry index entries, and the status index
-/// entries, which delivered records do not have), against the file size.
+/// Live data of the (stopped) proxy's store: record count and their stored bytes (each
+/// record's id entry and its JSON value with its 8-byte place, their expiry index entries,
+/// and the status index entries, which delivered records do not have), against the file
+/// size.
 fn live(cfg: &Config) -> anyhow::Result<serde_json::Value> {
     use redb::{ReadableDatabase, ReadableTable, TableDefinition};
-    const RECORDS: TableDefinition<&str, &[u8]> = TableDefinition::new("records");
+    const IDS: TableDefinition<&str, u64> = TableDefinition::new("record_ids");
+    const DATA: TableDefinition<u64, &[u8]> = TableDefinition::new("record_data");
     const BY_STATUS: TableDefinition<(u8, &str), ()> = TableDefinition::new("by_status");
     let path = redb_path(cfg)?;
     let file_bytes = std::fs::metadata(&path)?.len();
     let db = redb::Database::open(&path)?;
     let txn = db.begin_read()?;
-    let records = txn.open_table(RECORDS)?;
+    let ids = txn.open_table(IDS)?;
+    let data = txn.open_table(DATA)?;
     let (mut n, mut bytes) = (0u64, 0u64);
-    for entry in records.iter()? {
-        let (k, v) = entry?;
+    for entry in ids.iter()? {
+        let (id, place) = entry?;
+        let value = data.get(place.value())?.map_or(0, |v| v.value().len());
         n += 1;
-        // The record, and its expiry entry (i64, id); no operation ids in the bench.
-        bytes += (k.value().len() * 2 + v.value().len() + 8) as u64;
+        // The id entry, the record, and its expiry entry (i64, id); no operation ids here.
+        bytes += (id.value().len() * 2 + 8 + 8 + value + 8) as u64;
     }
     for entry in txn.open_table(BY_STATUS)?.iter()? {
         let (k, _) = entry?;

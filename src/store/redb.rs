@@ -99,7 +99,7 @@ impl RedbStore {
                 )),
                 e => StoreError::Backend(format!("cannot open {}: {e}", path.display())),
             })?;
-        tables::create_all(&db).map_err(|e| {
+        tables::create_all(&db, tables::MIGRATE_CHUNK).map_err(|e| {
             StoreError::Backend(format!("cannot initialise {}: {e}", path.display()))
         })?;
         let shared = Arc::new(Shared {

@@ -7,14 +7,32 @@ use std::fmt;
 use std::ops::Bound;
 
 use ::redb::{
-    Database, ReadTransaction, ReadableDatabase, ReadableTable, Table, TableDefinition,
-    WriteTransaction,
+    Database, ReadOnlyTable, ReadTransaction, ReadableDatabase, ReadableTable, Table,
+    TableDefinition, WriteTransaction,
 };
 
 use crate::store::{Claim, ListFilter, OperationMark, Record, StoreError, StoreResult};
 
-/// Execution id → [`Record::to_bytes`].
-const RECORDS: TableDefinition<&str, &[u8]> = TableDefinition::new("records");
+/// Execution id → the record's place in [`RECORD_DATA`]. Ids are hashes, so every claim
+/// writes this table at a random place; its entries are small (about 60 bytes), so that
+/// write copies one small leaf's worth of neighbours, once per execution.
+const RECORD_IDS: TableDefinition<&str, u64> = TableDefinition::new("record_ids");
+/// Place → [`Record::to_bytes`]. Places are handed out in claim order, so the records an
+/// execution writes again (`committed`, then `result_delivered`) sit beside the other
+/// recent ones, in the few last leaves that each batch rewrites anyway. Keyed by id, as
+/// before, each of an execution's three writes copied a leaf of its own: 26 KiB written
+/// per execution against 11 KiB (docs/PERFORMANCE.md, item 32).
+const RECORD_DATA: TableDefinition<u64, &[u8]> = TableDefinition::new("record_data");
+/// The layout before item 32: execution id → record. [`create_all`] moves what a file
+/// still holds there into the two tables above and deletes it.
+const LEGACY_RECORDS: TableDefinition<&str, &[u8]> = TableDefinition::new("records");
+/// Empty, and never read: it takes the legacy table's name with other types, so an older
+/// idemproxy that opens a file in the current layout fails on a type mismatch instead of
+/// finding no records there and executing again what this one has stored.
+const DOWNGRADE_GUARD: TableDefinition<u64, ()> = TableDefinition::new("records");
+/// Records [`create_all`] moves per write transaction when a store opens, so the move of
+/// a large file never holds more than this many records' pages dirty at once.
+pub(super) const MIGRATE_CHUNK: usize = 10_000;
 /// (state code, execution id): lists by status and finds `executing` records without a scan.
 /// Every state but `result_delivered`: nearly every record ends there, so an entry for it
 /// would be one more insert at a random place per execution (17% of the bytes a first
@@ -90,20 +108,97 @@ struct IndexKeys<'a> {
     operation_id: Option<&'a str>,
 }
 
-/// Creates every table, so read transactions never meet a missing one.
-pub(super) fn create_all(db: &Database) -> StoreResult<()> {
-    let txn = db.begin_write().map_err(storage)?;
-    WriteTables::open(&txn)?;
-    txn.commit().map_err(storage)
+/// Creates every table, so read transactions never meet a missing one, and moves the
+/// records of a file written before item 32 into the current layout, `chunk` records per
+/// transaction. A crash part way leaves each record in exactly one of the two layouts,
+/// and the next open goes on where this one stopped.
+pub(super) fn create_all(db: &Database, chunk: usize) -> StoreResult<()> {
+    let mut moved = 0u64;
+    loop {
+        let txn = db.begin_write().map_err(storage)?;
+        let mut tables = WriteTables::open(&txn)?;
+        let legacy = in_legacy_layout(&txn)?;
+        let done = if legacy {
+            let (n, done) = tables.migrate(&txn, chunk)?;
+            moved += n;
+            done
+        } else {
+            true
+        };
+        drop(tables);
+        if legacy && done {
+            txn.delete_table(LEGACY_RECORDS).map_err(storage)?;
+        }
+        if done {
+            txn.open_table(DOWNGRADE_GUARD).map_err(storage)?;
+        }
+        txn.commit().map_err(storage)?;
+        if done {
+            break;
+        }
+    }
+    if moved > 0 {
+        tracing::info!(
+            records = moved,
+            "moved the store's records to the current layout"
+        );
+    }
+    Ok(())
 }
 
-fn load<T: ReadableTable<&'static str, &'static [u8]>>(
-    records: &T,
-    id: &str,
-) -> StoreResult<Option<Record>> {
-    match records.get(id).map_err(storage)? {
-        Some(bytes) => Record::from_bytes(id, bytes.value()).map(Some),
-        None => Ok(None),
+/// Whether the file has a [`LEGACY_RECORDS`] table (which a [`DOWNGRADE_GUARD`] is not).
+fn in_legacy_layout(txn: &WriteTransaction) -> StoreResult<bool> {
+    use ::redb::{TableError, TableHandle};
+    let named = txn
+        .list_tables()
+        .map_err(storage)?
+        .any(|t| t.name() == LEGACY_RECORDS.name());
+    if !named {
+        return Ok(false);
+    }
+    match txn.open_table(LEGACY_RECORDS) {
+        Ok(_) => Ok(true),
+        Err(TableError::TableTypeMismatch { .. }) => Ok(false),
+        Err(e) => Err(storage(e)),
+    }
+}
+
+/// The two tables that hold records: [`RECORD_IDS`] and [`RECORD_DATA`].
+struct Records<I, D> {
+    ids: I,
+    data: D,
+}
+
+type ReadRecords = Records<ReadOnlyTable<&'static str, u64>, ReadOnlyTable<u64, &'static [u8]>>;
+type WriteRecords<'t> = Records<Table<'t, &'static str, u64>, Table<'t, u64, &'static [u8]>>;
+
+impl<I, D> Records<I, D>
+where
+    I: ReadableTable<&'static str, u64>,
+    D: ReadableTable<u64, &'static [u8]>,
+{
+    /// Where record `id` is, if it is stored.
+    fn place(&self, id: &str) -> StoreResult<Option<u64>> {
+        Ok(self.ids.get(id).map_err(storage)?.map(|v| v.value()))
+    }
+
+    /// The record at `place`, which [`RECORD_IDS`] gave for `id`.
+    fn load_at(&self, id: &str, place: u64) -> StoreResult<Record> {
+        match self.data.get(place).map_err(storage)? {
+            Some(bytes) => Record::from_bytes(id, bytes.value()),
+            None => Err(dangling("id", id)),
+        }
+    }
+
+    fn load(&self, id: &str) -> StoreResult<Option<Record>> {
+        Ok(self.load_placed(id)?.map(|(_, record)| record))
+    }
+
+    fn load_placed(&self, id: &str) -> StoreResult<Option<(u64, Record)>> {
+        match self.place(id)? {
+            Some(place) => Ok(Some((place, self.load_at(id, place)?))),
+            None => Ok(None),
+        }
     }
 }
 
@@ -158,9 +253,15 @@ impl Snapshot {
         })
     }
 
+    fn records(&self) -> StoreResult<ReadRecords> {
+        Ok(Records {
+            ids: self.txn.open_table(RECORD_IDS).map_err(storage)?,
+            data: self.txn.open_table(RECORD_DATA).map_err(storage)?,
+        })
+    }
+
     pub(super) fn get(&self, id: &str) -> StoreResult<Option<Record>> {
-        let records = self.txn.open_table(RECORDS).map_err(storage)?;
-        load(&records, id)
+        self.records()?.load(id)
     }
 
     pub(super) fn list(&self, filter: &ListFilter) -> StoreResult<Vec<Record>> {
@@ -168,7 +269,7 @@ impl Snapshot {
         if filter.limit == 0 {
             return Ok(out);
         }
-        let records = self.txn.open_table(RECORDS).map_err(storage)?;
+        let records = self.records()?;
         let after = filter.after.as_ref().map(|a| a.as_str());
         let wanted = |r: &Record| {
             filter.status.is_none_or(|s| r.state() == s)
@@ -183,7 +284,7 @@ impl Snapshot {
             let by_status = self.txn.open_table(BY_STATUS).map_err(storage)?;
             for id in ids_in_state(&by_status, state.code(), after)? {
                 let id = id?;
-                let record = load(&records, &id)?.ok_or_else(|| dangling("status", &id))?;
+                let record = records.load(&id)?.ok_or_else(|| dangling("status", &id))?;
                 if wanted(&record) {
                     out.push(record);
                     if out.len() >= filter.limit {
@@ -206,7 +307,7 @@ impl Snapshot {
                 if key_op != op {
                     break;
                 }
-                let record = load(&records, id)?.ok_or_else(|| dangling("operation", id))?;
+                let record = records.load(id)?.ok_or_else(|| dangling("operation", id))?;
                 if wanted(&record) {
                     out.push(record);
                     if out.len() >= filter.limit {
@@ -217,11 +318,12 @@ impl Snapshot {
         } else {
             let lower = after.map_or(Bound::Unbounded, Bound::Excluded);
             let range = records
+                .ids
                 .range::<&str>((lower, Bound::Unbounded))
                 .map_err(storage)?;
             for entry in range {
-                let (key, bytes) = entry.map_err(storage)?;
-                let record = Record::from_bytes(key.value(), bytes.value())?;
+                let (id, place) = entry.map_err(storage)?;
+                let record = records.load_at(id.value(), place.value())?;
                 if wanted(&record) {
                     out.push(record);
                     if out.len() >= filter.limit {
@@ -233,16 +335,19 @@ impl Snapshot {
         Ok(out)
     }
 
-    /// Records stored, and the mean stored size of the first `sample` of them (key + value).
+    /// Records stored, and the mean stored size of the first `sample` of them (the id
+    /// entry and the record entry, keys and values).
     pub(super) fn size_sample(&self, sample: usize) -> StoreResult<(u64, u64)> {
         use ::redb::ReadableTableMetadata;
-        let records = self.txn.open_table(RECORDS).map_err(storage)?;
-        let count = records.len().map_err(storage)?;
+        let records = self.records()?;
+        let count = records.ids.len().map_err(storage)?;
         let (mut n, mut bytes) = (0u64, 0u64);
-        for entry in records.iter().map_err(storage)?.take(sample) {
-            let (k, v) = entry.map_err(storage)?;
+        for entry in records.ids.iter().map_err(storage)?.take(sample) {
+            let (id, place) = entry.map_err(storage)?;
+            let stored = records.data.get(place.value()).map_err(storage)?;
+            let len = stored.map_or(0, |v| v.value().len());
             n += 1;
-            bytes += (k.value().len() + v.value().len()) as u64;
+            bytes += (id.value().len() + 2 * 8 + len) as u64;
         }
         Ok((count, bytes.checked_div(n).unwrap_or(0)))
     }
@@ -257,11 +362,11 @@ impl Snapshot {
         if limit == 0 {
             return Ok(out);
         }
-        let records = self.txn.open_table(RECORDS).map_err(storage)?;
+        let records = self.records()?;
         let by_status = self.txn.open_table(BY_STATUS).map_err(storage)?;
         for id in ids_in_state(&by_status, EXECUTING, None)? {
             let id = id?;
-            let record = load(&records, &id)?.ok_or_else(|| dangling("status", &id))?;
+            let record = records.load(&id)?.ok_or_else(|| dangling("status", &id))?;
             if lease_stale(&record, now_ms) {
                 out.push(record);
                 if out.len() >= limit {
@@ -273,12 +378,15 @@ impl Snapshot {
     }
 }
 
-/// The five tables opened inside one write transaction. Every method either fails with
+/// The six tables opened inside one write transaction. Every method either fails with
 /// [`StoreError::Backend`] (redb failed: the caller aborts the batch) or checks everything
 /// before its first write, so a logical refusal (Conflict, NotFound, Corrupt) writes nothing
 /// and the rest of the batch goes on.
 pub(super) struct WriteTables<'t> {
-    records: Table<'t, &'static str, &'static [u8]>,
+    records: WriteRecords<'t>,
+    /// The place the next claim takes: one past the last used, so new records go to the
+    /// end of [`RECORD_DATA`].
+    next_place: u64,
     by_status: Table<'t, (u8, &'static str), ()>,
     by_expiry: Table<'t, (i64, &'static str), ()>,
     by_operation: Table<'t, (&'static str, &'static str), ()>,
@@ -287,8 +395,17 @@ pub(super) struct WriteTables<'t> {
 
 impl<'t> WriteTables<'t> {
     pub(super) fn open(txn: &'t WriteTransaction) -> StoreResult<WriteTables<'t>> {
+        let data = txn.open_table(RECORD_DATA).map_err(storage)?;
+        let next_place = match data.last().map_err(storage)? {
+            Some((place, _)) => place.value() + 1,
+            None => 0,
+        };
         Ok(WriteTables {
-            records: txn.open_table(RECORDS).map_err(storage)?,
+            records: Records {
+                ids: txn.open_table(RECORD_IDS).map_err(storage)?,
+                data,
+            },
+            next_place,
             by_status: txn.open_table(BY_STATUS).map_err(storage)?,
             by_expiry: txn.open_table(BY_EXPIRY).map_err(storage)?,
             by_operation: txn.open_table(BY_OPERATION).map_err(storage)?,
@@ -299,10 +416,14 @@ impl<'t> WriteTables<'t> {
     /// `record` comes with version 1 and `bytes` is its encoding (made by the caller, off
     /// this thread).
     pub(super) fn claim(&mut self, record: Record, bytes: &[u8]) -> StoreResult<Claim> {
-        if let Some(existing) = load(&self.records, record.id.as_str())? {
+        let id = record.id.as_str();
+        if let Some(existing) = self.records.load(id)? {
             return Ok(Claim::Existing(existing));
         }
-        self.put(None, &record, bytes)?;
+        let place = self.next_place;
+        self.records.ids.insert(id, place).map_err(storage)?;
+        self.next_place += 1;
+        self.put(place, None, &record, bytes)?;
         Ok(Claim::Claimed(record))
     }
 
@@ -315,9 +436,12 @@ impl<'t> WriteTables<'t> {
         bytes: &[u8],
     ) -> StoreResult<Record> {
         let id = record.id.clone();
-        let stored = match self.records.get(id.as_str()).map_err(storage)? {
+        let Some(place) = self.records.place(id.as_str())? else {
+            return Err(StoreError::NotFound(id));
+        };
+        let stored = match self.records.data.get(place).map_err(storage)? {
             Some(v) => StoredMeta::decode(id.as_str(), v.value())?,
-            None => return Err(StoreError::NotFound(id)),
+            None => return Err(dangling("id", id.as_str())),
         };
         if stored.version != expected {
             return Err(StoreError::Conflict {
@@ -326,7 +450,7 @@ impl<'t> WriteTables<'t> {
                 found: stored.version,
             });
         }
-        self.put(Some(stored.keys()), &record, bytes)?;
+        self.put(place, Some(stored.keys()), &record, bytes)?;
         Ok(record)
     }
 
@@ -341,14 +465,14 @@ impl<'t> WriteTables<'t> {
             ids_in_state(&self.by_status, EXECUTING, None)?.collect::<StoreResult<Vec<_>>>()?;
         let mut renewed = Vec::new();
         for id in ids {
-            match load(&self.records, &id) {
-                Ok(Some(mut record)) => {
+            match self.records.load_placed(&id) {
+                Ok(Some((place, mut record))) => {
                     let Some(lease) = record.lease.as_mut() else {
                         continue;
                     };
                     if lease.owner == owner {
                         lease.expires_at_ms = until_ms;
-                        renewed.push(record);
+                        renewed.push((place, record));
                     }
                 }
                 Ok(None) => return Err(dangling("status", &id)),
@@ -360,10 +484,11 @@ impl<'t> WriteTables<'t> {
                 Err(e) => return Err(e),
             }
         }
-        for record in &renewed {
+        for (place, record) in &renewed {
             // Only the lease changed: no index moves.
             self.records
-                .insert(record.id.as_str(), record.to_bytes().as_slice())
+                .data
+                .insert(place, record.to_bytes().as_slice())
                 .map_err(storage)?;
         }
         Ok(renewed.len() as u64)
@@ -389,8 +514,8 @@ impl<'t> WriteTables<'t> {
             {
                 continue;
             }
-            match load(&self.records, id) {
-                Ok(Some(record)) => doomed.push(record),
+            match self.records.load_placed(id) {
+                Ok(Some(placed)) => doomed.push(placed),
                 Ok(None) => return Err(dangling("expiry", id)),
                 // Without the record its index keys are unknown; leave it for an operator
                 // rather than half-delete it.
@@ -400,8 +525,8 @@ impl<'t> WriteTables<'t> {
                 Err(e) => return Err(e),
             }
         }
-        for record in &doomed {
-            self.delete(record)?;
+        for (place, record) in &doomed {
+            self.delete(*place, record)?;
         }
         let mut marks = Vec::new();
         for entry in self.operations.iter().map_err(storage)? {
@@ -432,11 +557,43 @@ impl<'t> WriteTables<'t> {
         Ok(merged)
     }
 
-    /// Writes `new` (encoded as `bytes`) and moves its index entries from where `old` had
-    /// them.
-    fn put(&mut self, old: Option<IndexKeys<'_>>, new: &Record, bytes: &[u8]) -> StoreResult<()> {
+    /// Moves up to `limit` records from [`LEGACY_RECORDS`] into the current layout (their
+    /// index entries, keyed by id, stay as they are). Returns how many moved and whether
+    /// none is left there, so the caller can delete the table.
+    fn migrate(&mut self, txn: &WriteTransaction, limit: usize) -> StoreResult<(u64, bool)> {
+        use ::redb::ReadableTableMetadata;
+        let mut legacy = txn.open_table(LEGACY_RECORDS).map_err(storage)?;
+        let mut moved = 0u64;
+        while moved < limit as u64 {
+            let Some((id, bytes)) = legacy.pop_first().map_err(storage)? else {
+                return Ok((moved, true));
+            };
+            let place = self.next_place;
+            self.records
+                .ids
+                .insert(id.value(), place)
+                .map_err(storage)?;
+            self.records
+                .data
+                .insert(place, bytes.value())
+                .map_err(storage)?;
+            self.next_place += 1;
+            moved += 1;
+        }
+        Ok((moved, legacy.is_empty().map_err(storage)?))
+    }
+
+    /// Writes `new` (encoded as `bytes`) at `place` and moves its index entries from where
+    /// `old` had them.
+    fn put(
+        &mut self,
+        place: u64,
+        old: Option<IndexKeys<'_>>,
+        new: &Record,
+        bytes: &[u8],
+    ) -> StoreResult<()> {
         let id = new.id.as_str();
-        self.records.insert(id, bytes).map_err(storage)?;
+        self.records.data.insert(place, bytes).map_err(storage)?;
 
         let code = new.state().code();
         if old.as_ref().map(|o| o.state) != Some(code) {
@@ -470,9 +627,10 @@ impl<'t> WriteTables<'t> {
         Ok(())
     }
 
-    fn delete(&mut self, record: &Record) -> StoreResult<()> {
+    fn delete(&mut self, place: u64, record: &Record) -> StoreResult<()> {
         let id = record.id.as_str();
-        self.records.remove(id).map_err(storage)?;
+        self.records.ids.remove(id).map_err(storage)?;
+        self.records.data.remove(place).map_err(storage)?;
         self.by_status
             .remove((record.state().code(), id))
             .map_err(storage)?;
@@ -492,13 +650,46 @@ impl<'t> WriteTables<'t> {
 pub(super) fn table_sizes(db: &Database) -> [u64; 4] {
     use ::redb::ReadableTableMetadata;
     let txn = db.begin_read().expect("test reads its own database");
+    let ids = txn.open_table(RECORD_IDS).expect("table exists");
+    let data = txn.open_table(RECORD_DATA).expect("table exists");
+    assert_eq!(ids.len().ok(), data.len().ok(), "one id entry per record");
     [
-        txn.open_table(RECORDS).expect("table exists").len(),
+        ids.len(),
         txn.open_table(BY_STATUS).expect("table exists").len(),
         txn.open_table(BY_EXPIRY).expect("table exists").len(),
         txn.open_table(BY_OPERATION).expect("table exists").len(),
     ]
     .map(|n| n.expect("len reads"))
+}
+
+/// Rewrites the file as a store from before item 32 wrote it: every record in
+/// [`LEGACY_RECORDS`], keyed by id, and no [`RECORD_IDS`] or [`RECORD_DATA`].
+#[cfg(test)]
+pub(super) fn rewrite_in_legacy_layout(db: &Database) {
+    let txn = db.begin_write().expect("test writes its own database");
+    txn.delete_table(DOWNGRADE_GUARD).expect("deletes");
+    {
+        let ids = txn.open_table(RECORD_IDS).expect("table exists");
+        let data = txn.open_table(RECORD_DATA).expect("table exists");
+        let mut legacy = txn.open_table(LEGACY_RECORDS).expect("table opens");
+        for entry in ids.iter().expect("iterates") {
+            let (id, place) = entry.expect("reads");
+            let bytes = data.get(place.value()).expect("reads").expect("stored");
+            legacy.insert(id.value(), bytes.value()).expect("inserts");
+        }
+    }
+    txn.delete_table(RECORD_IDS).expect("deletes");
+    txn.delete_table(RECORD_DATA).expect("deletes");
+    txn.commit().expect("commits");
+}
+
+/// The names of the file's tables.
+#[cfg(test)]
+pub(super) fn table_names(db: &Database) -> Vec<String> {
+    use ::redb::TableHandle;
+    let txn = db.begin_read().expect("test reads its own database");
+    let names = txn.list_tables().expect("lists");
+    names.map(|t| t.name().to_string()).collect()
 }
 
 #[cfg(test)]

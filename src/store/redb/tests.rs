@@ -345,6 +345,91 @@ async fn reopen_sees_every_acknowledged_write_and_the_file_is_locked() {
     assert_eq!(all, expected);
 }
 
+/// A file written before records were stored by place (id → record in one table) opens
+/// with every record, index entry and list order intact, moved in chunks, and takes new
+/// writes after them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_in_the_old_layout_moves_to_the_new_one_when_opened() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("store.redb");
+    let store = RedbStore::open(&path).expect("opens");
+    let mut expected = Vec::new();
+    for i in 0..7 {
+        let op = (i % 2 == 0).then_some("op_a");
+        let mut r = executing(record(&format!("ex_{i:02}"), op, 100 + i), None);
+        if i % 3 != 0 {
+            r.apply(Event::Commit, 3, None).expect("commit");
+        }
+        expected.push(insert(&store, r).await);
+    }
+    drop(store);
+
+    let db = ::redb::Database::open(&path).expect("opens raw");
+    tables::rewrite_in_legacy_layout(&db);
+    let names = tables::table_names(&db);
+    assert!(names.contains(&"records".to_string()), "{names:?}");
+    assert!(!names.contains(&"record_ids".to_string()), "{names:?}");
+    // Three records per transaction: three transactions, the last one partial.
+    tables::create_all(&db, 3).expect("moves");
+    assert!(tables::table_names(&db).contains(&"record_data".to_string()));
+    // What an older idemproxy does first: open `records` as id → record. It must fail,
+    // not find an empty table and execute again what this file has stored.
+    type Legacy = ::redb::TableDefinition<'static, &'static str, &'static [u8]>;
+    let txn = db.begin_write().expect("begins");
+    let err = txn
+        .open_table(Legacy::new("records"))
+        .expect_err("an older store's open fails");
+    assert!(
+        matches!(err, ::redb::TableError::TableTypeMismatch { .. }),
+        "{err}"
+    );
+    txn.abort().expect("aborts");
+    drop(db);
+
+    let store = RedbStore::open(&path).expect("opens the moved file");
+    assert_eq!(tables::table_sizes(&store.shared.db), [7, 7, 7, 4]);
+    for r in &expected {
+        assert_eq!(store.get(&r.id).await.expect("get").as_ref(), Some(r));
+    }
+    let all = |filter: ListFilter| {
+        let store = &store;
+        async move { store.list(&filter).await.expect("list") }
+    };
+    let listed = all(ListFilter {
+        limit: 100,
+        ..ListFilter::default()
+    })
+    .await;
+    assert_eq!(listed, expected, "every record, in id order");
+    let in_op = all(ListFilter {
+        operation: Some("op_a".into()),
+        limit: 100,
+        ..ListFilter::default()
+    })
+    .await;
+    assert_eq!(in_op.len(), 4);
+    let running = all(ListFilter {
+        status: Some(State::Executing),
+        limit: 100,
+        ..ListFilter::default()
+    })
+    .await;
+    assert_eq!(running.len(), 3);
+
+    // A moved record updates in place; a new one goes after the moved ones.
+    let mut r = expected[0].clone();
+    r.apply(Event::Commit, 5, None).expect("commit");
+    let r = store.update(r).await.expect("update a moved record");
+    assert_eq!(store.get(&r.id).await.expect("get"), Some(r));
+    claimed(&store, record("ex_new", None, 50)).await;
+    assert_eq!(tables::table_sizes(&store.shared.db), [8, 8, 8, 4]);
+    assert_eq!(
+        store.gc(1_000, 100).await.expect("gc"),
+        6,
+        "all but two executing"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn list_filters_and_pages_with_the_cursor() {
     let (_dir, store) = open_temp();
