@@ -117,8 +117,7 @@ pub(super) fn create_all(db: &Database, chunk: usize) -> StoreResult<()> {
     loop {
         let txn = db.begin_write().map_err(storage)?;
         let mut tables = WriteTables::open(&txn)?;
-        let legacy = in_legacy_layout(&txn)?;
-        let done = if legacy {
+        let done = if in_legacy_layout(&txn)? {
             let (n, done) = tables.migrate(&txn, chunk)?;
             moved += n;
             done
@@ -126,9 +125,6 @@ pub(super) fn create_all(db: &Database, chunk: usize) -> StoreResult<()> {
             true
         };
         drop(tables);
-        if legacy && done {
-            txn.delete_table(LEGACY_RECORDS).map_err(storage)?;
-        }
         if done {
             txn.open_table(DOWNGRADE_GUARD).map_err(storage)?;
         }
@@ -558,15 +554,15 @@ impl<'t> WriteTables<'t> {
     }
 
     /// Moves up to `limit` records from [`LEGACY_RECORDS`] into the current layout (their
-    /// index entries, keyed by id, stay as they are). Returns how many moved and whether
-    /// none is left there, so the caller can delete the table.
+    /// index entries, keyed by id, stay as they are), and deletes the table once it is
+    /// empty. Returns how many moved and whether that was the last of them.
     fn migrate(&mut self, txn: &WriteTransaction, limit: usize) -> StoreResult<(u64, bool)> {
         use ::redb::ReadableTableMetadata;
         let mut legacy = txn.open_table(LEGACY_RECORDS).map_err(storage)?;
         let mut moved = 0u64;
         while moved < limit as u64 {
             let Some((id, bytes)) = legacy.pop_first().map_err(storage)? else {
-                return Ok((moved, true));
+                break;
             };
             let place = self.next_place;
             self.records
@@ -580,7 +576,12 @@ impl<'t> WriteTables<'t> {
             self.next_place += 1;
             moved += 1;
         }
-        Ok((moved, legacy.is_empty().map_err(storage)?))
+        let empty = legacy.is_empty().map_err(storage)?;
+        drop(legacy);
+        if empty {
+            txn.delete_table(LEGACY_RECORDS).map_err(storage)?;
+        }
+        Ok((moved, empty))
     }
 
     /// Writes `new` (encoded as `bytes`) at `place` and moves its index entries from where
