@@ -1,5 +1,5 @@
-//! On-disk layout of the redb store: the records table and the three indexes that must
-//! change with it, the operation marks, plus the read queries and per-command write steps
+//! On-disk layout of the redb store: the two record tables (id → place, place → record)
+//! and the three indexes that must change with them, the operation marks, plus the read queries and per-command write steps
 //! built on them. The writer thread and the read path both go through here, so index upkeep
 //! lives in one place.
 
@@ -36,8 +36,8 @@ pub(super) const MIGRATE_CHUNK: usize = 10_000;
 /// (state code, execution id): lists by status and finds `executing` records without a scan.
 /// Every state but `result_delivered`: nearly every record ends there, so an entry for it
 /// would be one more insert at a random place per execution (17% of the bytes a first
-/// execution writes, docs/PERFORMANCE.md), and a list of delivered records walks the
-/// records table instead, where they are most of what it holds. Files written before
+/// execution writes, docs/PERFORMANCE.md), and a list of delivered records walks
+/// [`RECORD_IDS`] instead, where they are most of what it holds. Files written before
 /// this kept delivered entries; nothing reads them, and gc removes them with their
 /// records.
 const BY_STATUS: TableDefinition<(u8, &str), ()> = TableDefinition::new("by_status");

@@ -95,7 +95,7 @@ impl Applied {
     }
 
     /// The mailbox of the runtime its caller waits on, if it has one.
-    pub(super) fn home(&self) -> Option<&std::sync::Arc<delivery::Home>> {
+    pub(super) fn home(&self) -> Option<&Arc<delivery::Home>> {
         match self {
             Applied::Claim(a) => a.reply.home(),
             Applied::Record(a) => a.reply.home(),
