@@ -17,6 +17,17 @@
 //!       httparse, `Content-Length` bodies only, no chunked, no errors handled): what a
 //!       pass-through would cost without hyper's client dispatch channel and connection
 //!       task. A measurement, not a client.
+//!   hyper_floor bare-static --port P
+//!       the static answer without hyper's server: a hand-written HTTP/1.1 loop per
+//!       connection (httparse for the head, `Content-Length` bodies only, one prepared
+//!       answer written with one `write`, no `Date` per second, no timeouts, no errors
+//!       answered): what the static row would cost if the server side were nothing but
+//!       the socket calls. A measurement, not a server.
+//!   hyper_floor bare-proxy --port P --upstream HOST:PORT --mount /api
+//!       `raw`'s upstream side behind `bare-static`'s server side: no hyper at all. Each
+//!       client connection gets its own upstream connection; request and answer heads are
+//!       parsed with httparse and copied with the mount stripped and `Host` and
+//!       `X-Forwarded-For` set; `Content-Length` bodies only. A measurement, not a proxy.
 //!
 //! `IDEMPROXY_WORKERS` sets the worker threads and `IDEMPROXY_PIN_WORKERS=0` leaves them
 //! unpinned, as for idemproxy (default: one per CPU, each pinned to its own).
@@ -46,6 +57,10 @@ enum Mode {
     Proxy(Forward),
     /// Through the hand-written client.
     Raw(Forward),
+    /// The static answer, served without hyper.
+    BareStatic,
+    /// Forwarding without hyper on either side.
+    BareProxy(Forward),
 }
 
 /// Where a proxy mode forwards to.
@@ -80,21 +95,22 @@ fn main() {
             .cloned()
     };
     let usage =
-        "usage: hyper_floor static --port P | proxy|raw --port P --upstream HOST:PORT --mount /api";
+        "usage: hyper_floor static|bare-static --port P | proxy|raw|bare-proxy --port P --upstream HOST:PORT --mount /api";
     let port: u16 = arg("--port").and_then(|p| p.parse().ok()).expect(usage);
     let mode = match args.get(1).map(String::as_str) {
         Some("static") => Mode::Static,
-        Some(kind @ ("proxy" | "raw")) => {
+        Some("bare-static") => Mode::BareStatic,
+        Some(kind @ ("proxy" | "raw" | "bare-proxy")) => {
             let upstream = arg("--upstream").expect(usage);
             let forward = Forward {
                 host: HeaderValue::from_str(&upstream).expect("upstream host"),
                 upstream: upstream.parse().expect("upstream HOST:PORT"),
                 mount: arg("--mount").unwrap_or_default().into(),
             };
-            if kind == "raw" {
-                Mode::Raw(forward)
-            } else {
-                Mode::Proxy(forward)
+            match kind {
+                "raw" => Mode::Raw(forward),
+                "bare-proxy" => Mode::BareProxy(forward),
+                _ => Mode::Proxy(forward),
             }
         }
         _ => panic!("{usage}"),
@@ -144,6 +160,8 @@ fn worker(listener: std::net::TcpListener, mode: Mode) {
                     }
                     Mode::Proxy(forward) => proxy_connection(stream, forward).await,
                     Mode::Raw(forward) => raw_connection(stream, forward).await,
+                    Mode::BareStatic => bare_static_connection(stream).await,
+                    Mode::BareProxy(forward) => bare_proxy_connection(stream, forward).await,
                 }
             });
         }
@@ -303,6 +321,166 @@ async fn raw_exchange(
         }
         if up.stream.read_buf(&mut up.buf).await.ok()? == 0 {
             return None;
+        }
+    }
+}
+
+/// The static row's answer as one prepared message: the same status, headers and body
+/// hyper writes for [`answer`], with a fixed `Date`.
+fn bare_answer() -> Vec<u8> {
+    let mut out = Vec::with_capacity(256);
+    out.extend_from_slice(b"HTTP/1.1 201 Created\r\ncontent-type: application/json\r\n");
+    out.extend_from_slice(b"idempotency-execution-id: ex_rWKbIzm8kUrHeVgxPbR8t4Tb\r\n");
+    out.extend_from_slice(b"idempotent-replayed: true\r\n");
+    out.extend_from_slice(format!("content-length: {}\r\n", ANSWER.len()).as_bytes());
+    out.extend_from_slice(b"date: Mon, 07 Dec 2026 00:00:00 GMT\r\n\r\n");
+    out.extend_from_slice(ANSWER);
+    out
+}
+
+/// Serve one connection by hand: parse each request head, skip its body, write the answer.
+async fn bare_static_connection(mut stream: tokio::net::TcpStream) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let answer = bare_answer();
+    let mut buf = bytes::BytesMut::with_capacity(8192);
+    loop {
+        let mut headers = [httparse::EMPTY_HEADER; 32];
+        let mut parsed = httparse::Request::new(&mut headers);
+        let head_len = match parsed.parse(&buf) {
+            Ok(httparse::Status::Complete(n)) => n,
+            Ok(httparse::Status::Partial) => match stream.read_buf(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => continue,
+            },
+            Err(_) => return,
+        };
+        let mut length = 0usize;
+        for h in parsed.headers.iter() {
+            if h.name.eq_ignore_ascii_case("content-length") {
+                match std::str::from_utf8(h.value)
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                {
+                    Some(n) => length = n,
+                    None => return,
+                }
+            }
+        }
+        while buf.len() < head_len + length {
+            match stream.read_buf(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+        let _ = buf.split_to(head_len + length);
+        if stream.write_all(&answer).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// One HTTP/1.1 message head read from `stream` into `buf`: the head parsed by `parse`
+/// (which returns the head's length and the body's `Content-Length`), then the whole
+/// message (head and body) split off `buf`. `None` at end of stream or on a bad message.
+async fn bare_message(
+    stream: &mut tokio::net::TcpStream,
+    buf: &mut bytes::BytesMut,
+    parse: impl Fn(&[u8]) -> Option<Option<(usize, usize)>>,
+) -> Option<(bytes::BytesMut, usize)> {
+    use tokio::io::AsyncReadExt;
+    loop {
+        if let Some((head_len, length)) = parse(buf)? {
+            while buf.len() < head_len + length {
+                if stream.read_buf(buf).await.ok()? == 0 {
+                    return None;
+                }
+            }
+            return Some((buf.split_to(head_len + length), head_len));
+        }
+        if stream.read_buf(buf).await.ok()? == 0 {
+            return None;
+        }
+    }
+}
+
+/// The `Content-Length` among `headers` (0 without one); `None` if it is not a number.
+fn bare_length(headers: &[httparse::Header<'_>]) -> Option<usize> {
+    match headers
+        .iter()
+        .find(|h| h.name.eq_ignore_ascii_case("content-length"))
+    {
+        Some(h) => std::str::from_utf8(h.value).ok()?.parse().ok(),
+        None => Some(0),
+    }
+}
+
+/// Forward one client connection's requests over one upstream connection, by hand.
+async fn bare_proxy_connection(mut client: tokio::net::TcpStream, forward: Forward) {
+    use tokio::io::AsyncWriteExt;
+    let Some(mut up) = forward.connect().await else {
+        return;
+    };
+    let mut from_client = bytes::BytesMut::with_capacity(8192);
+    let mut from_up = bytes::BytesMut::with_capacity(8192);
+    let mut out = Vec::with_capacity(2048);
+    loop {
+        let parse_request = |b: &[u8]| {
+            let mut headers = [httparse::EMPTY_HEADER; 32];
+            let mut req = httparse::Request::new(&mut headers);
+            match req.parse(b).ok()? {
+                httparse::Status::Complete(n) => Some(Some((n, bare_length(req.headers)?))),
+                httparse::Status::Partial => Some(None),
+            }
+        };
+        let Some((message, head_len)) =
+            bare_message(&mut client, &mut from_client, parse_request).await
+        else {
+            return;
+        };
+        // Parse the head again where it now lives, to copy it with its target rewritten.
+        let mut headers = [httparse::EMPTY_HEADER; 32];
+        let mut req = httparse::Request::new(&mut headers);
+        if req.parse(&message).is_err() {
+            return;
+        }
+        let path = req.path.unwrap_or("/");
+        out.clear();
+        out.extend_from_slice(req.method.unwrap_or("GET").as_bytes());
+        out.push(b' ');
+        out.extend_from_slice(
+            path.strip_prefix(&*forward.mount)
+                .unwrap_or(path)
+                .as_bytes(),
+        );
+        out.extend_from_slice(b" HTTP/1.1\r\nhost: ");
+        out.extend_from_slice(forward.host.as_bytes());
+        out.extend_from_slice(b"\r\nx-forwarded-for: 127.0.0.1\r\n");
+        for h in req.headers.iter() {
+            if !h.name.eq_ignore_ascii_case("host") {
+                out.extend_from_slice(h.name.as_bytes());
+                out.extend_from_slice(b": ");
+                out.extend_from_slice(h.value);
+                out.extend_from_slice(b"\r\n");
+            }
+        }
+        out.extend_from_slice(b"\r\n");
+        out.extend_from_slice(&message[head_len..]);
+        if up.write_all(&out).await.is_err() {
+            return;
+        }
+        let parse_response = |b: &[u8]| {
+            let mut headers = [httparse::EMPTY_HEADER; 32];
+            let mut resp = httparse::Response::new(&mut headers);
+            match resp.parse(b).ok()? {
+                httparse::Status::Complete(n) => Some(Some((n, bare_length(resp.headers)?))),
+                httparse::Status::Partial => Some(None),
+            }
+        };
+        let Some((answer, _)) = bare_message(&mut up, &mut from_up, parse_response).await else {
+            return;
+        };
+        if client.write_all(&answer).await.is_err() {
+            return;
         }
     }
 }

@@ -111,10 +111,14 @@ def render_run(run, rows):
         "floor-get": "bare hyper proxy (benches/hyper_floor.rs), GET",
         "floor-post": "bare hyper proxy (benches/hyper_floor.rs), POST 512 B JSON",
         "floor-static-post": "bare hyper static answer shaped like a replay, POST 512 B",
+        "bare-get": "hand-written HTTP/1.1 proxy, no hyper (benches/hyper_floor.rs), GET",
+        "bare-post": "hand-written HTTP/1.1 proxy, no hyper (benches/hyper_floor.rs), POST 512 B JSON",
+        "bare-static-post": "hand-written HTTP/1.1 static answer, no hyper, POST 512 B",
         "nocache-replay-post": "idemproxy replays, replay cache off (every replay reads redb), POST 512 B",
     }
-    order = ["direct-get", "nginx-get", "idemproxy-get", "floor-get", "direct-post", "nginx-post",
-             "idemproxy-post", "floor-post", "replay-post", "floor-static-post", "nocache-replay-post"]
+    order = ["direct-get", "nginx-get", "idemproxy-get", "floor-get", "bare-get", "direct-post",
+             "nginx-post", "idemproxy-post", "floor-post", "bare-post", "replay-post",
+             "floor-static-post", "bare-static-post", "nocache-replay-post"]
     order += sorted((n for n in wrk if re.fullmatch(r"first-post-c\d+", n)),
                     key=lambda n: int(n.rsplit("c", 1)[1]))
     order += [n for n in wrk if n.startswith("rss-")]
@@ -256,7 +260,10 @@ def render_run(run, rows):
     # is taken away (benches/hyper_floor.rs), and how far idemproxy is from it.
     for a, b, what in (("floor-get", "nginx-get", "bare hyper proxy vs nginx, GET"),
                        ("floor-post", "nginx-post", "bare hyper proxy vs nginx, POST"),
-                       ("floor-static-post", "nginx-post", "bare hyper static answer vs nginx POST pass-through")):
+                       ("floor-static-post", "nginx-post", "bare hyper static answer vs nginx POST pass-through"),
+                       ("bare-get", "nginx-get", "hand-written proxy (no hyper) vs nginx, GET"),
+                       ("bare-post", "nginx-post", "hand-written proxy (no hyper) vs nginx, POST"),
+                       ("bare-static-post", "nginx-post", "hand-written static answer (no hyper) vs nginx POST pass-through")):
         info_row(a, b, what, "rps", rps)
     for a, b, what in (("idemproxy-get", "floor-get", "idemproxy pass-through vs bare hyper proxy, GET"),
                        ("idemproxy-post", "floor-post", "idemproxy pass-through vs bare hyper proxy, POST"),

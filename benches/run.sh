@@ -8,7 +8,8 @@
 #
 #   benches/run.sh                 # full benchmark, twice (RUNS=2), writes the doc
 #   RUNS=1 DURATION=5 benches/run.sh --no-doc      # quicker look, doc untouched
-#   benches/run.sh --only passthrough              # one scenario group (see `groups` below)
+#   benches/run.sh --only passthrough              # one scenario group (see `groups` below),
+#                                                  # or several: --only passthrough,durable
 #
 # Everything it starts (two nginx instances, idemproxy) runs from a temp dir and is
 # stopped by PID on exit.
@@ -38,7 +39,8 @@ while [ $# -gt 0 ]; do
 done
 
 log() { echo "[bench $(date +%H:%M:%S)] $*" >&2; }
-want() { [ -z "$ONLY" ] || [ "$ONLY" = "$1" ]; }
+# --only takes one group or several separated by commas (passthrough,durable).
+want() { [ -z "$ONLY" ] || [[ ",$ONLY," == *",$1,"* ]]; }
 
 # --- tools -------------------------------------------------------------------------------
 need=()
@@ -150,12 +152,17 @@ EOF
 # run: a static answer shaped like a replay, and a bare proxy (benches/hyper_floor.rs).
 # Same worker threads as idemproxy.
 start_floor() {
-  FS_PORT=$(free_port); FP_PORT=$(free_port)
+  FS_PORT=$(free_port); FP_PORT=$(free_port); BS_PORT=$(free_port); BP_PORT=$(free_port)
   "$FLOOR_BIN" static --port "$FS_PORT" > /dev/null &
   FS_PID=$!; PIDS+=("$FS_PID")
   "$FLOOR_BIN" proxy --port "$FP_PORT" --upstream "127.0.0.1:$UP_PORT" --mount /api > /dev/null &
   FP_PID=$!; PIDS+=("$FP_PID")
-  wait_port "$FS_PORT"; wait_port "$FP_PORT"
+  # The same two without hyper: hand-written HTTP/1.1 loops (what the socket calls alone cost).
+  "$FLOOR_BIN" bare-static --port "$BS_PORT" > /dev/null &
+  BS_PID=$!; PIDS+=("$BS_PID")
+  "$FLOOR_BIN" bare-proxy --port "$BP_PORT" --upstream "127.0.0.1:$UP_PORT" --mount /api > /dev/null &
+  BP_PID=$!; PIDS+=("$BP_PID")
+  wait_port "$FS_PORT"; wait_port "$FP_PORT"; wait_port "$BS_PORT"; wait_port "$BP_PORT"
 }
 
 # --- idemproxy -----------------------------------------------------------------------------
@@ -198,6 +205,8 @@ server_pid() {
     *":$NG_PORT") echo "$NG_PID" ;;
     *":${FS_PORT:-none}") echo "$FS_PID" ;;
     *":${FP_PORT:-none}") echo "$FP_PID" ;;
+    *":${BS_PORT:-none}") echo "$BS_PID" ;;
+    *":${BP_PORT:-none}") echo "$BP_PID" ;;
     *) echo "$PX_PID" ;;
   esac
 }
@@ -262,6 +271,7 @@ one_run() {
   start_floor
   local U="http://127.0.0.1:$UP_PORT" N="http://127.0.0.1:$NG_PORT"
   local FS="http://127.0.0.1:$FS_PORT" FP="http://127.0.0.1:$FP_PORT"
+  local BS="http://127.0.0.1:$BS_PORT" BP="http://127.0.0.1:$BP_PORT"
 
   if want passthrough || want durable; then
     local cfg; cfg=$(write_config "main-$run")
@@ -272,6 +282,7 @@ one_run() {
     warm "$U" "/weather?city=paris" GET; warm "$N" "/api/weather?city=paris" GET; warm "$P" "/api/weather?city=paris" GET
     warm "$U" "/echo" POST; warm "$N" "/api/echo" POST; warm "$P" "/api/echo" POST
     warm "$FP" "/api/weather?city=paris" GET; warm "$FS" "/api/send" POST
+    warm "$BP" "/api/weather?city=paris" GET; warm "$BS" "/api/send" POST
   fi
   # The rows compared with nginx are taken in turn, REPS rounds of each: a minute of
   # noise from the machine's other work then lands on every row alike instead of on one,
@@ -283,14 +294,17 @@ one_run() {
       measure "$run" passthrough nginx-get "$CONNS" "$N" "/api/weather?city=paris" GET
       measure "$run" passthrough idemproxy-get "$CONNS" "$P" "/api/weather?city=paris" GET
       measure "$run" passthrough floor-get "$CONNS" "$FP" "/api/weather?city=paris" GET
+      measure "$run" passthrough bare-get "$CONNS" "$BP" "/api/weather?city=paris" GET
       measure "$run" passthrough direct-post "$CONNS" "$U" "/echo" POST
       measure "$run" passthrough nginx-post "$CONNS" "$N" "/api/echo" POST
       measure "$run" passthrough idemproxy-post "$CONNS" "$P" "/api/echo" POST
       measure "$run" passthrough floor-post "$CONNS" "$FP" "/api/echo" POST
+      measure "$run" passthrough bare-post "$CONNS" "$BP" "/api/echo" POST
     fi
     if want durable; then
       measure "$run" durable replay-post "$CONNS" "$P" "/api/send" POST pool 10000 r
       measure "$run" durable floor-static-post "$CONNS" "$FS" "/api/send" POST pool 10000 r
+      measure "$run" durable bare-static-post "$CONNS" "$BS" "/api/send" POST pool 10000 r
     fi
   done
   REP=1
@@ -386,6 +400,8 @@ one_run() {
 
   stop_pid "$FS_PID"
   stop_pid "$FP_PID"
+  stop_pid "$BS_PID"
+  stop_pid "$BP_PID"
   stop_pid "$NG_PID"
   stop_pid "$UP_PID"
 }
