@@ -180,28 +180,30 @@ impl Proxy {
                     Class::ReadOnly => {
                         passthrough::forward(&rt, client, &target, req, &peer, true).await
                     }
-                    // Boxed: the side-effect lifecycle's future is several KiB, and every
-                    // request's future is as large as its largest branch, so inline it would
-                    // make each pass-through request allocate and copy that much too.
+                    // Admission (key, body, replay from memory) and what follows are
+                    // each smaller than the pass-through's future, and a request's future
+                    // is as large as its largest branch, so neither needs a box of its own.
                     Class::SideEffect => {
-                        Box::pin(self.side_effect(&rt, client, target, req, peer)).await
+                        let admitted = side_effect::admit(self, &rt, &target, req).await;
+                        self.side_effect(&rt, client, target, admitted, peer).await
                     }
                 }
             }
         }
     }
 
-    /// A request on a side-effect route: admission (key, fingerprint, replay), then the
-    /// call under its record, as a task of its own.
+    /// A side-effect request after admission (key, fingerprint, replay; see
+    /// [`side_effect::admit`]): its answer, or the call under its record (or unprotected)
+    /// as a task of its own.
     async fn side_effect(
         self: &Arc<Self>,
         rt: &Arc<Runtime>,
         client: &HttpClient,
         target: Target<'_>,
-        req: Request<Incoming>,
+        admitted: side_effect::Admit,
         peer: ClientAddr,
     ) -> Response<ProxyBody> {
-        let admitted = match side_effect::admit(self, rt, &target, req).await {
+        let admitted = match admitted {
             side_effect::Admit::Respond(resp) => return resp,
             other => other,
         };
