@@ -338,41 +338,15 @@ fn bare_answer() -> Vec<u8> {
     out
 }
 
-/// Serve one connection by hand: parse each request head, skip its body, write the answer.
+/// Serve one connection by hand: read each request whole, write the answer.
 async fn bare_static_connection(mut stream: tokio::net::TcpStream) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let answer = bare_answer();
     let mut buf = bytes::BytesMut::with_capacity(8192);
-    loop {
-        let mut headers = [httparse::EMPTY_HEADER; 32];
-        let mut parsed = httparse::Request::new(&mut headers);
-        let head_len = match parsed.parse(&buf) {
-            Ok(httparse::Status::Complete(n)) => n,
-            Ok(httparse::Status::Partial) => match stream.read_buf(&mut buf).await {
-                Ok(0) | Err(_) => return,
-                Ok(_) => continue,
-            },
-            Err(_) => return,
-        };
-        let mut length = 0usize;
-        for h in parsed.headers.iter() {
-            if h.name.eq_ignore_ascii_case("content-length") {
-                match std::str::from_utf8(h.value)
-                    .ok()
-                    .and_then(|v| v.parse().ok())
-                {
-                    Some(n) => length = n,
-                    None => return,
-                }
-            }
-        }
-        while buf.len() < head_len + length {
-            match stream.read_buf(&mut buf).await {
-                Ok(0) | Err(_) => return,
-                Ok(_) => {}
-            }
-        }
-        let _ = buf.split_to(head_len + length);
+    while bare_message(&mut stream, &mut buf, bare_request_head)
+        .await
+        .is_some()
+    {
         if stream.write_all(&answer).await.is_err() {
             return;
         }
@@ -403,6 +377,27 @@ async fn bare_message(
     }
 }
 
+/// A request head at the start of `b`: `Some(Some((head length, body length)))`, or
+/// `Some(None)` while it is not all there, `None` if it is malformed ([`bare_message`]).
+fn bare_request_head(b: &[u8]) -> Option<Option<(usize, usize)>> {
+    let mut headers = [httparse::EMPTY_HEADER; 32];
+    let mut req = httparse::Request::new(&mut headers);
+    match req.parse(b).ok()? {
+        httparse::Status::Complete(n) => Some(Some((n, bare_length(req.headers)?))),
+        httparse::Status::Partial => Some(None),
+    }
+}
+
+/// [`bare_request_head`] for a response head.
+fn bare_response_head(b: &[u8]) -> Option<Option<(usize, usize)>> {
+    let mut headers = [httparse::EMPTY_HEADER; 32];
+    let mut resp = httparse::Response::new(&mut headers);
+    match resp.parse(b).ok()? {
+        httparse::Status::Complete(n) => Some(Some((n, bare_length(resp.headers)?))),
+        httparse::Status::Partial => Some(None),
+    }
+}
+
 /// The `Content-Length` among `headers` (0 without one); `None` if it is not a number.
 fn bare_length(headers: &[httparse::Header<'_>]) -> Option<usize> {
     match headers
@@ -424,16 +419,8 @@ async fn bare_proxy_connection(mut client: tokio::net::TcpStream, forward: Forwa
     let mut from_up = bytes::BytesMut::with_capacity(8192);
     let mut out = Vec::with_capacity(2048);
     loop {
-        let parse_request = |b: &[u8]| {
-            let mut headers = [httparse::EMPTY_HEADER; 32];
-            let mut req = httparse::Request::new(&mut headers);
-            match req.parse(b).ok()? {
-                httparse::Status::Complete(n) => Some(Some((n, bare_length(req.headers)?))),
-                httparse::Status::Partial => Some(None),
-            }
-        };
         let Some((message, head_len)) =
-            bare_message(&mut client, &mut from_client, parse_request).await
+            bare_message(&mut client, &mut from_client, bare_request_head).await
         else {
             return;
         };
@@ -468,15 +455,8 @@ async fn bare_proxy_connection(mut client: tokio::net::TcpStream, forward: Forwa
         if up.write_all(&out).await.is_err() {
             return;
         }
-        let parse_response = |b: &[u8]| {
-            let mut headers = [httparse::EMPTY_HEADER; 32];
-            let mut resp = httparse::Response::new(&mut headers);
-            match resp.parse(b).ok()? {
-                httparse::Status::Complete(n) => Some(Some((n, bare_length(resp.headers)?))),
-                httparse::Status::Partial => Some(None),
-            }
-        };
-        let Some((answer, _)) = bare_message(&mut up, &mut from_up, parse_response).await else {
+        let Some((answer, _)) = bare_message(&mut up, &mut from_up, bare_response_head).await
+        else {
             return;
         };
         if client.write_all(&answer).await.is_err() {
