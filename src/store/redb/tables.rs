@@ -1,6 +1,6 @@
 //! On-disk layout of the redb store: the two record tables (id → place, place → record)
-//! and the three indexes that must change with them, the operation marks, plus the read queries and per-command write steps
-//! built on them. The writer thread and the read path both go through here, so index upkeep
+//! and the three indexes that must change with them, the operation marks, plus the read
+//! queries and per-command write steps built on them. The writer thread and the read path both go through here, so index upkeep
 //! lives in one place.
 
 use std::fmt;
@@ -416,9 +416,7 @@ impl<'t> WriteTables<'t> {
         if let Some(existing) = self.records.load(id)? {
             return Ok(Claim::Existing(existing));
         }
-        let place = self.next_place;
-        self.records.ids.insert(id, place).map_err(storage)?;
-        self.next_place += 1;
+        let place = self.new_place(id)?;
         self.put(place, None, &record, bytes)?;
         Ok(Claim::Claimed(record))
     }
@@ -564,16 +562,11 @@ impl<'t> WriteTables<'t> {
             let Some((id, bytes)) = legacy.pop_first().map_err(storage)? else {
                 break;
             };
-            let place = self.next_place;
-            self.records
-                .ids
-                .insert(id.value(), place)
-                .map_err(storage)?;
+            let place = self.new_place(id.value())?;
             self.records
                 .data
                 .insert(place, bytes.value())
                 .map_err(storage)?;
-            self.next_place += 1;
             moved += 1;
         }
         let empty = legacy.is_empty().map_err(storage)?;
@@ -582,6 +575,14 @@ impl<'t> WriteTables<'t> {
             txn.delete_table(LEGACY_RECORDS).map_err(storage)?;
         }
         Ok((moved, empty))
+    }
+
+    /// The next place in [`RECORD_DATA`], taken for record `id` (its [`RECORD_IDS`] entry).
+    fn new_place(&mut self, id: &str) -> StoreResult<u64> {
+        let place = self.next_place;
+        self.records.ids.insert(id, place).map_err(storage)?;
+        self.next_place += 1;
+        Ok(place)
     }
 
     /// Writes `new` (encoded as `bytes`) at `place` and moves its index entries from where
