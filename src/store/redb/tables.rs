@@ -1,7 +1,7 @@
 //! On-disk layout of the redb store: the two record tables (id → place, place → record)
 //! and the three indexes that must change with them, the operation marks, plus the read
-//! queries and per-command write steps built on them. The writer thread and the read path both go through here, so index upkeep
-//! lives in one place.
+//! queries and per-command write steps built on them. The writer thread and the read path
+//! both go through here, so index upkeep lives in one place.
 
 use std::fmt;
 use std::ops::Bound;
