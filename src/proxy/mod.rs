@@ -13,14 +13,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use http::{Request, Response};
-use hyper::body::Incoming;
 use parking_lot::{Mutex, RwLock};
 
 use crate::config::{Class, Config};
 use crate::metrics::{Metrics, ReplayCounters};
 use crate::policy::classify::{Classified, RouteRef, Target};
 use crate::store::Store;
-use crate::wire::body::ProxyBody;
+use crate::wire::body::{ProxyBody, RequestBody};
 use crate::wire::client::{self, HttpClient};
 use crate::wire::headers::ClientAddr;
 use crate::wire::problem::{Kind, Problem};
@@ -138,7 +137,7 @@ impl Proxy {
     /// Entry point for a request, on the shared runtime (see [`Worker`] for the listener's).
     pub async fn handle(
         self: Arc<Self>,
-        req: Request<Incoming>,
+        req: Request<RequestBody>,
         peer: ClientAddr,
     ) -> Response<ProxyBody> {
         let rt = self.runtime();
@@ -148,7 +147,7 @@ impl Proxy {
     async fn handle_on(
         self: &Arc<Self>,
         rt: Arc<Runtime>,
-        req: Request<Incoming>,
+        req: Request<RequestBody>,
         peer: ClientAddr,
     ) -> Response<ProxyBody> {
         let cfg = &rt.config;
@@ -290,7 +289,7 @@ impl Worker {
 
     pub async fn handle(
         self: Arc<Self>,
-        req: Request<Incoming>,
+        req: Request<RequestBody>,
         peer: ClientAddr,
     ) -> Response<ProxyBody> {
         let rt = self.runtime();

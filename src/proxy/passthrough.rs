@@ -5,12 +5,12 @@
 
 use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
-use hyper::body::{Body, Incoming};
+use hyper::body::Body;
 
 use super::downstream;
 use super::Runtime;
 use crate::policy::classify::Target;
-use crate::wire::body::{self, ProxyBody};
+use crate::wire::body::{self, ProxyBody, RequestBody};
 use crate::wire::client::{self, HttpClient};
 use crate::wire::headers::ClientAddr;
 use crate::wire::problem::{Kind, Problem};
@@ -19,7 +19,7 @@ pub async fn forward(
     rt: &Runtime,
     client: &HttpClient,
     target: &Target<'_>,
-    req: Request<Incoming>,
+    req: Request<RequestBody>,
     peer: &ClientAddr,
     allow_retry: bool,
 ) -> Response<ProxyBody> {
@@ -49,7 +49,7 @@ pub async fn forward(
     let mut backoff = route.retry.backoff;
     for attempt in 1..=attempts {
         let req_body = match incoming.take() {
-            Some(b) if !bodyless => b.map_err(|e| Box::new(e) as body::BoxError).boxed(),
+            Some(b) if !bodyless => b.boxed(),
             _ => body::empty(),
         };
         let last = attempt == attempts;

@@ -15,7 +15,6 @@ use bytes::Bytes;
 use http::request::Parts;
 use http::{HeaderValue, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
-use hyper::body::Incoming;
 
 use super::{downstream, passthrough, reconcile as lookup, replay, Proxy, Runtime};
 use crate::config::{Concurrent, On5xx, Route};
@@ -29,7 +28,7 @@ use crate::policy::state::{Event, State};
 use crate::store::{
     now_ms, Claim, Lease, NewRecord, OperationMark, Record, StoreError, StoredResponse,
 };
-use crate::wire::body::{self, BoxError, NotifyOnEnd, ProxyBody};
+use crate::wire::body::{self, BoxError, NotifyOnEnd, ProxyBody, RequestBody};
 use crate::wire::client::{self, HttpClient, SendFailure};
 use crate::wire::headers::{ClientAddr, EXECUTION_ID, REPLAYED, STATUS};
 use crate::wire::problem::{Kind, Problem};
@@ -39,7 +38,7 @@ pub enum Admit {
     /// Answered already: a bad or missing key, an unreadable body, or a replay from memory.
     Respond(Response<ProxyBody>),
     /// No key on a route that allows that: forwarded as is, unprotected.
-    Unprotected(Request<Incoming>),
+    Unprotected(Request<RequestBody>),
     /// Keyed and read: runs under its execution record ([`run`]).
     Protected(Admitted),
 }
@@ -60,7 +59,7 @@ pub async fn admit(
     proxy: &Proxy,
     rt: &Runtime,
     target: &Target<'_>,
-    req: Request<Incoming>,
+    req: Request<RequestBody>,
 ) -> Admit {
     let cfg = &rt.config;
     let route = target.route;
@@ -176,7 +175,7 @@ pub async fn unprotected(
     rt: &Runtime,
     client: &HttpClient,
     target: &Target<'_>,
-    req: Request<Incoming>,
+    req: Request<RequestBody>,
     peer: &ClientAddr,
 ) -> Response<ProxyBody> {
     tracing::warn!(upstream = %target.upstream.name, route = %target.route.name, "side effect forwarded without a key (unprotected)");
@@ -228,7 +227,7 @@ pub async fn run(
 /// Buffer the request body up to the limit; a side effect must be hashed and may be sent
 /// again under the same identity, so it cannot be streamed.
 async fn read_body(
-    incoming: Incoming,
+    incoming: RequestBody,
     parts: &Parts,
     limit: usize,
 ) -> Result<Bytes, Box<Response<ProxyBody>>> {

@@ -1,5 +1,6 @@
-//! The one response/request body type the proxy uses, and a body wrapper that reports
-//! when the last byte was handed to the connection (for `result_delivered`).
+//! The proxy's body types: [`ProxyBody`] for everything it sends, [`RequestBody`] for the
+//! requests it serves, and a body wrapper that reports when the last byte was handed to
+//! the connection (for `result_delivered`).
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -19,6 +20,92 @@ pub fn empty() -> ProxyBody {
     Empty::<Bytes>::new()
         .map_err(|never| match never {})
         .boxed()
+}
+
+/// A request body as the listener hands it over: read whole by the HTTP/1.1 fast path
+/// ([`super::fast`]), or streamed by hyper (every other request).
+#[derive(Debug)]
+pub enum RequestBody {
+    /// The whole body, already read; `None` when it is empty.
+    Read(Option<Bytes>),
+    /// A body whose client ended its connection before the declared length: the bytes
+    /// that came, then an error, as hyper's body reports a connection that ends early.
+    Cut {
+        data: Option<Bytes>,
+        declared: u64,
+        failed: bool,
+    },
+    /// hyper's streamed body.
+    Streamed(hyper::body::Incoming),
+}
+
+impl RequestBody {
+    /// A body read whole.
+    pub fn read(data: Bytes) -> RequestBody {
+        RequestBody::Read(Some(data).filter(|d| !d.is_empty()))
+    }
+
+    /// The `data` that came of a body declared `declared` bytes long.
+    pub fn cut(data: Bytes, declared: u64) -> RequestBody {
+        RequestBody::Cut {
+            data: Some(data).filter(|d| !d.is_empty()),
+            declared,
+            failed: false,
+        }
+    }
+}
+
+impl From<hyper::body::Incoming> for RequestBody {
+    fn from(incoming: hyper::body::Incoming) -> Self {
+        RequestBody::Streamed(incoming)
+    }
+}
+
+impl Body for RequestBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match self.get_mut() {
+            RequestBody::Read(data) => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
+            RequestBody::Cut { data, failed, .. } => Poll::Ready(match data.take() {
+                Some(d) => Some(Ok(Frame::data(d))),
+                None if *failed => None,
+                None => {
+                    *failed = true;
+                    Some(Err(
+                        "the client closed its connection before the end of the request body"
+                            .into(),
+                    ))
+                }
+            }),
+            RequestBody::Streamed(incoming) => Pin::new(incoming)
+                .poll_frame(cx)
+                .map_err(|e| Box::new(e) as BoxError),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            RequestBody::Read(data) => data.is_none(),
+            RequestBody::Cut { failed, .. } => *failed,
+            RequestBody::Streamed(incoming) => incoming.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            RequestBody::Read(data) => {
+                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+            }
+            // What the head declared, as hyper's body says.
+            RequestBody::Cut { declared, .. } => SizeHint::with_exact(*declared),
+            RequestBody::Streamed(incoming) => incoming.size_hint(),
+        }
+    }
 }
 
 /// Why [`read_all`] gave up.

@@ -3,6 +3,7 @@
 
 pub mod body;
 pub mod client;
+pub mod fast;
 pub mod h1;
 pub mod headers;
 pub mod problem;

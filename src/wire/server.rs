@@ -15,6 +15,7 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use http::{Request, Response};
@@ -25,7 +26,8 @@ use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot, watch};
 
-use super::body::ProxyBody;
+use super::body::{ProxyBody, RequestBody};
+use super::fast;
 use super::headers::ClientAddr;
 
 /// How the listener runs.
@@ -44,6 +46,9 @@ pub struct Options {
     /// detection reads ahead made every connection's 8 KiB buffer double to 16 KiB on its
     /// first request, 8 MB per 1,000 connections (docs/PERFORMANCE.md, item 31).
     pub max_header_bytes: usize,
+    /// Serve plain HTTP/1.1 requests on the fast path ([`super::fast`]); `false` hands
+    /// every connection to hyper (`IDEMPROXY_FAST_PATH=0`).
+    pub fast_path: bool,
 }
 
 /// `limits.max_header_bytes` by default: 8 KiB, as nginx's longest header line and
@@ -54,7 +59,8 @@ pub const MAX_MAX_HEADER_BYTES: usize = 1024 * 1024;
 
 impl Options {
     /// One worker per CPU, unless `IDEMPROXY_WORKERS` says otherwise; workers pinned
-    /// unless `IDEMPROXY_PIN_WORKERS` is `0`, `false` or `off`.
+    /// unless `IDEMPROXY_PIN_WORKERS` is `0`, `false` or `off`; the HTTP/1.1 fast path on
+    /// unless `IDEMPROXY_FAST_PATH` is.
     pub fn from_env(grace: Duration) -> Options {
         let workers = std::env::var("IDEMPROXY_WORKERS")
             .ok()
@@ -62,19 +68,22 @@ impl Options {
             .filter(|n| *n > 0)
             .or_else(|| std::thread::available_parallelism().map(|n| n.get()).ok())
             .unwrap_or(1);
-        let pin = std::env::var("IDEMPROXY_PIN_WORKERS")
-            .map(|v| {
-                !matches!(
-                    v.trim().to_ascii_lowercase().as_str(),
-                    "0" | "false" | "off"
-                )
-            })
-            .unwrap_or(true);
+        let on = |var: &str| {
+            std::env::var(var)
+                .map(|v| {
+                    !matches!(
+                        v.trim().to_ascii_lowercase().as_str(),
+                        "0" | "false" | "off"
+                    )
+                })
+                .unwrap_or(true)
+        };
         Options {
             workers,
             grace,
-            pin,
+            pin: on("IDEMPROXY_PIN_WORKERS"),
             max_header_bytes: DEFAULT_MAX_HEADER_BYTES,
+            fast_path: on("IDEMPROXY_FAST_PATH"),
         }
     }
 
@@ -200,7 +209,7 @@ pub async fn serve_on_workers<M, H, F>(
     options: Options,
 ) where
     M: Fn() -> H,
-    H: Fn(Request<Incoming>, ClientAddr) -> F + Clone + Send + Sync + 'static,
+    H: Fn(Request<RequestBody>, ClientAddr) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<ProxyBody>> + Send + 'static,
 {
     let mut queues = Vec::new();
@@ -285,7 +294,7 @@ fn worker<H, F>(
     mut shutdown: watch::Receiver<bool>,
     options: Options,
 ) where
-    H: Fn(Request<Incoming>, ClientAddr) -> F + Clone + Send + Sync + 'static,
+    H: Fn(Request<RequestBody>, ClientAddr) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<ProxyBody>> + Send + 'static,
 {
     let rt = match tokio::runtime::Builder::new_current_thread()
@@ -299,8 +308,14 @@ fn worker<H, F>(
         }
     };
     rt.block_on(async move {
-        let builder = http_builder(options.max_header_bytes);
-        let graceful = GracefulShutdown::new();
+        let shared = Arc::new(fast::Shared {
+            handler,
+            hyper: http_builder(options.max_header_bytes),
+            max_head: options.max_header_bytes,
+            fast: options.fast_path,
+        });
+        // Every connection task holds a sender; when all are gone, all have ended.
+        let (alive, mut all_ended) = mpsc::channel::<()>(1);
         loop {
             tokio::select! {
                 conn = conns.recv() => {
@@ -312,17 +327,24 @@ fn worker<H, F>(
                             continue;
                         }
                     };
-                    spawn_connection(&builder, &graceful, stream, peer, handler.clone());
+                    tokio::spawn(fast::serve(
+                        stream,
+                        ClientAddr::new(peer),
+                        shared.clone(),
+                        shutdown.clone(),
+                        alive.clone(),
+                    ));
                 }
                 _ = stopped(&mut shutdown) => break,
             }
         }
         // The handler holds this worker's upstream clients; their idle pooled connections
         // are tasks too, and must not count as work to wait for below.
-        drop(handler);
+        drop(shared);
+        drop(alive);
         let deadline = tokio::time::Instant::now() + options.grace;
         tokio::select! {
-            _ = graceful.shutdown() => tracing::debug!("worker drained its connections"),
+            _ = all_ended.recv() => tracing::debug!("worker drained its connections"),
             _ = tokio::time::sleep_until(deadline) => tracing::warn!("grace period over; closing remaining connections"),
         }
         // Side effects run as their own tasks (a client that went away does not stop one
@@ -336,6 +358,6 @@ fn worker<H, F>(
 
 /// Resolves once shutdown is asked for (or its sender is gone). Returns nothing, so no
 /// borrow of the watch value is held across the caller's other awaits.
-async fn stopped(shutdown: &mut watch::Receiver<bool>) {
+pub(super) async fn stopped(shutdown: &mut watch::Receiver<bool>) {
     let _ = shutdown.wait_for(|stop| *stop).await;
 }

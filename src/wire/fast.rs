@@ -1,0 +1,939 @@
+//! The listener's HTTP/1.1 fast path: plain requests served by a loop written out here,
+//! everything else handed to hyper on the same connection.
+//!
+//! hyper's server cost about 2 µs of CPU per request on the benchmark machine, a third of
+//! a replay's user time; a loop doing the same reads and writes without it cost about a
+//! third as much (docs/PERFORMANCE.md, items 33 and 35). The requests an agent's tool loop
+//! sends are nearly all simple on the wire, so those are served here, and the rest keep
+//! hyper's full treatment:
+//!
+//! - A request is served here when its head parses (httparse, hyper's own parser, with
+//!   hyper's limit of 100 headers) within `limits.max_header_bytes`, it is HTTP/1.1 in
+//!   origin form (`/path?query`), its method is not `CONNECT`, it has no
+//!   `Transfer-Encoding`, `Upgrade` or `Expect` header, and at most one `Content-Length`
+//!   of plain digits up to [`MAX_BODY`]. Its body is read whole before the handler runs
+//!   (as nginx's `proxy_request_buffering` does, and as the side-effect path needs anyway).
+//! - At the first request that is not (and at an HTTP/2 preface, a malformed or oversized
+//!   head, HTTP/1.0, two `Content-Length`s, a chunked body...), the connection is handed to
+//!   hyper with every byte read so far put back in front of the socket ([`Rewound`]). hyper
+//!   then parses that request itself and answers exactly as it would have from the start
+//!   (400, 414, 431, `100 Continue`, streaming, upgrades, HTTP/2), and keeps the connection.
+//!   So this loop never answers a malformed request, and no request is parsed by both.
+//! - Answers are framed as hyper frames them: `Content-Length` when the body's length is
+//!   known, chunked otherwise, no body for `HEAD`, 204 and 304, an implicit
+//!   `content-length: 0`, a cached `date` header, `connection: close` when the connection
+//!   ends after the answer. A head and a small body go out in one `write`.
+//! - As in hyper: keep-alive, pipelined requests answered in order, 30 s to receive a
+//!   complete head (idle keep-alive connections are closed after that), a client that
+//!   closes its connection while its request is served cancels the request (side effects
+//!   run in tasks of their own and finish anyway), a response body that fails ends the
+//!   connection without completing the message.
+//! - Shutdown: an idle connection is closed; a request in flight is finished and answered
+//!   with `connection: close`; a connection hyper serves is shut down gracefully by hyper.
+//!
+//! `IDEMPROXY_FAST_PATH=0` hands every connection to hyper from its first byte.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::io::{self, Write as _};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::{Buf, Bytes, BytesMut};
+use futures_util::FutureExt;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Method, Request, Response, StatusCode, Uri, Version};
+use http_body::Body;
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use smallvec::SmallVec;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, watch};
+
+use super::body::{ProxyBody, RequestBody};
+use super::headers::ClientAddr;
+
+/// The largest request body read whole here; a longer one goes to hyper, which streams it.
+pub const MAX_BODY: usize = 64 * 1024;
+/// The most request headers, as hyper's default.
+const MAX_HEADERS: usize = 100;
+/// How long a complete request head may take to arrive, as hyper's default
+/// `header_read_timeout`.
+const HEAD_TIMEOUT: Duration = Duration::from_secs(30);
+/// The read buffer's size, as hyper's first read buffer.
+const READ_SPACE: usize = 8 * 1024;
+/// Response data at least this long is written from its own buffer, not copied.
+const COPY_LIMIT: usize = 16 * 1024;
+/// Buffered response bytes are written out once they reach this.
+const FLUSH_AT: usize = 64 * 1024;
+
+/// What one connection needs from its worker.
+pub struct Shared<H> {
+    pub handler: H,
+    pub hyper: auto::Builder<TokioExecutor>,
+    pub max_head: usize,
+    /// Serve plain requests here; `false` hands every connection to hyper at once.
+    pub fast: bool,
+}
+
+/// Serve one connection until it ends. `_alive` is dropped when it does (the worker
+/// counts connections by it to drain them); `shutdown` turning true starts the drain.
+pub async fn serve<H, F>(
+    stream: TcpStream,
+    peer: ClientAddr,
+    shared: Arc<Shared<H>>,
+    mut shutdown: watch::Receiver<bool>,
+    _alive: mpsc::Sender<()>,
+) where
+    H: Fn(Request<RequestBody>, ClientAddr) -> F + Clone + Send + Sync + 'static,
+    F: Future<Output = Response<ProxyBody>> + Send + 'static,
+{
+    let mut conn = Conn {
+        stream,
+        buf: BytesMut::new(),
+        out: Vec::new(),
+        draining: false,
+    };
+    if shared.fast {
+        match conn.serve_plain(&peer, &shared, &mut shutdown).await {
+            End::Close => return,
+            End::HandOff => {}
+        }
+    }
+    let Conn { stream, buf, .. } = conn;
+    hand_off(stream, buf.freeze(), peer, &shared, shutdown).await;
+}
+
+/// Serve the rest of the connection with hyper, `prefix` (bytes already read) first.
+async fn hand_off<H, F>(
+    stream: TcpStream,
+    prefix: Bytes,
+    peer: ClientAddr,
+    shared: &Shared<H>,
+    mut shutdown: watch::Receiver<bool>,
+) where
+    H: Fn(Request<RequestBody>, ClientAddr) -> F + Clone + Send + Sync + 'static,
+    F: Future<Output = Response<ProxyBody>> + Send + 'static,
+{
+    let handler = shared.handler.clone();
+    let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
+        let fut = handler(req.map(RequestBody::from), peer.clone());
+        async move { Ok::<_, Infallible>(fut.await) }
+    });
+    let io = TokioIo::new(Rewound { prefix, stream });
+    let conn = shared.hyper.serve_connection_with_upgrades(io, svc);
+    tokio::pin!(conn);
+    let ended = tokio::select! {
+        ended = conn.as_mut() => ended,
+        _ = super::server::stopped(&mut shutdown) => {
+            conn.as_mut().graceful_shutdown();
+            conn.await
+        }
+    };
+    if let Err(e) = ended {
+        tracing::debug!(error = %e, "connection ended with error");
+    }
+}
+
+/// How the plain loop ended.
+enum End {
+    /// The connection is closed (or to be dropped).
+    Close,
+    /// hyper serves the rest; the connection's unread bytes are in `buf`.
+    HandOff,
+}
+
+struct Conn {
+    stream: TcpStream,
+    /// Bytes read and not yet used: the next request's head, body, and what follows.
+    buf: BytesMut,
+    /// The answer being written (kept between requests for its capacity).
+    out: Vec<u8>,
+    /// Shutdown was asked for: the request being read or served is the last.
+    draining: bool,
+}
+
+/// A request head that the fast path takes, with its body's length.
+struct Head {
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body_len: usize,
+    /// The client asked to close the connection after this request.
+    close: bool,
+}
+
+/// What [`parse`] made of the buffered bytes. Returned once per request and never stored,
+/// so the head is not boxed.
+#[allow(clippy::large_enum_variant)]
+enum Parsed {
+    /// A complete head this loop serves (its bytes are consumed).
+    Ready(Head),
+    /// Not a complete head yet.
+    Partial,
+    /// hyper's to serve (nothing was consumed).
+    HandOff,
+}
+
+impl Conn {
+    async fn serve_plain<H, F>(
+        &mut self,
+        peer: &ClientAddr,
+        shared: &Shared<H>,
+        shutdown: &mut watch::Receiver<bool>,
+    ) -> End
+    where
+        H: Fn(Request<RequestBody>, ClientAddr) -> F + Clone + Send + Sync + 'static,
+        F: Future<Output = Response<ProxyBody>> + Send + 'static,
+    {
+        let head_timer = tokio::time::sleep(HEAD_TIMEOUT);
+        tokio::pin!(head_timer);
+        loop {
+            // The head. The timer is armed only when it has to be waited for.
+            let mut armed = false;
+            let head = loop {
+                match parse(&mut self.buf, shared.max_head) {
+                    Parsed::Ready(head) => break head,
+                    Parsed::HandOff => return End::HandOff,
+                    Parsed::Partial => {}
+                }
+                if self.draining && self.buf.is_empty() {
+                    return End::Close;
+                }
+                if !armed {
+                    head_timer
+                        .as_mut()
+                        .reset(tokio::time::Instant::now() + HEAD_TIMEOUT);
+                    armed = true;
+                }
+                self.reserve();
+                tokio::select! {
+                    biased;
+                    read = self.stream.read_buf(&mut self.buf) => match read {
+                        Ok(0) | Err(_) => return End::Close,
+                        Ok(_) => {}
+                    },
+                    _ = head_timer.as_mut() => {
+                        tracing::debug!("no complete request head within 30 s; closing the connection");
+                        return End::Close;
+                    }
+                    _ = super::server::stopped(shutdown), if !self.draining => self.draining = true,
+                }
+            };
+            // The body, read whole. If the client stops sending before its end, the request
+            // is served with what came and an error after it, as hyper does: the handler
+            // answers (400 or 502), and the connection ends.
+            let mut close = head.close;
+            let mut ended = false;
+            while self.buf.len() < head.body_len {
+                self.buf.reserve(head.body_len - self.buf.len());
+                match self.stream.read_buf(&mut self.buf).await {
+                    Ok(0) | Err(_) => {
+                        (close, ended) = (true, true);
+                        break;
+                    }
+                    Ok(_) => {}
+                }
+            }
+            let body = if ended {
+                RequestBody::cut(self.buf.split().freeze(), head.body_len as u64)
+            } else {
+                RequestBody::read(self.buf.split_to(head.body_len).freeze())
+            };
+            let is_head = head.method == Method::HEAD;
+            let mut req = Request::new(body);
+            *req.method_mut() = head.method;
+            *req.uri_mut() = head.uri;
+            *req.version_mut() = Version::HTTP_11;
+            *req.headers_mut() = head.headers;
+
+            // The answer. The client's connection is watched meanwhile: at its end the
+            // request is dropped (bytes of pipelined requests are kept for later).
+            let answer = (shared.handler)(req, peer.clone());
+            tokio::pin!(answer);
+            let resp = loop {
+                let watch = !ended && self.buf.len() < shared.max_head + MAX_BODY;
+                self.reserve();
+                tokio::select! {
+                    biased;
+                    resp = answer.as_mut() => break resp,
+                    read = self.stream.read_buf(&mut self.buf), if watch => match read {
+                        Ok(0) | Err(_) => return End::Close,
+                        Ok(_) => {}
+                    },
+                    _ = super::server::stopped(shutdown), if !self.draining => self.draining = true,
+                }
+            };
+            close |= self.draining;
+            match self.respond(resp, is_head, &mut close).await {
+                Ok(()) if !close => {}
+                Ok(()) => {
+                    let _ = self.stream.shutdown().await;
+                    return End::Close;
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "could not write an answer; closing the connection");
+                    return End::Close;
+                }
+            }
+            if self.out.capacity() > FLUSH_AT {
+                self.out = Vec::new();
+            }
+        }
+    }
+
+    /// Room for a read: hyper's buffer size at first, and at least a quarter of it free.
+    fn reserve(&mut self) {
+        if self.buf.capacity() - self.buf.len() < READ_SPACE / 4 {
+            self.buf.reserve(READ_SPACE);
+        }
+    }
+
+    /// Write `resp`, framed for a request with method `HEAD` when `is_head`. `close` says
+    /// whether the connection ends after it; an answer's own `Connection: close` sets it.
+    async fn respond(
+        &mut self,
+        resp: Response<ProxyBody>,
+        is_head: bool,
+        close: &mut bool,
+    ) -> io::Result<()> {
+        let (parts, mut body) = resp.into_parts();
+        self.out.clear();
+        let framing = match encode_head(&mut self.out, &parts, &body, is_head, close) {
+            Some(framing) => framing,
+            None => {
+                // hyper's answer to a handler that returns a 1xx status.
+                tracing::warn!(status = %parts.status, "an answer with a 1xx status cannot be sent; answering 500");
+                self.out.clear();
+                self.out.extend_from_slice(
+                    b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 0\r\nconnection: close\r\n",
+                );
+                date_line(&mut self.out);
+                self.out.extend_from_slice(b"\r\n");
+                *close = true;
+                Framing::Empty
+            }
+        };
+        let chunked = match framing {
+            Framing::Empty => return self.stream.write_all(&self.out).await,
+            Framing::Length(n) => {
+                let mut left = n;
+                while let Some(data) = self.next_data(&mut body).await? {
+                    let Some(rest) = left.checked_sub(data.len() as u64) else {
+                        return Err(io::Error::other(
+                            "the answer's body is longer than its length",
+                        ));
+                    };
+                    left = rest;
+                    self.put(&data).await?;
+                }
+                if left > 0 {
+                    return Err(io::Error::other(
+                        "the answer's body ended before its length",
+                    ));
+                }
+                false
+            }
+            Framing::Chunked => {
+                while let Some(data) = self.next_data(&mut body).await? {
+                    if data.is_empty() {
+                        continue;
+                    }
+                    let _ = write!(self.out, "{:X}\r\n", data.len());
+                    self.put(&data).await?;
+                    self.out.extend_from_slice(b"\r\n");
+                }
+                true
+            }
+        };
+        if chunked {
+            // Trailers are not written: the proxy strips `Trailer` from every answer, and
+            // hyper writes only the trailer fields an answer declares.
+            self.out.extend_from_slice(b"0\r\n\r\n");
+        }
+        let written = self.stream.write_all(&self.out).await;
+        self.out.clear();
+        written
+    }
+
+    /// The body's next data, or `None` at its end. Trailers end it too. Before waiting for
+    /// a body that has nothing ready, what is buffered is written out.
+    async fn next_data(&mut self, body: &mut ProxyBody) -> io::Result<Option<Bytes>> {
+        let frame = match body.frame().now_or_never() {
+            Some(frame) => frame,
+            None => {
+                self.flush().await?;
+                body.frame().await
+            }
+        };
+        match frame {
+            None => Ok(None),
+            Some(Err(e)) => Err(io::Error::other(e)),
+            Some(Ok(frame)) => Ok(frame.into_data().ok()),
+        }
+    }
+
+    /// Add `data` to the answer: copied behind what is buffered when short, else written
+    /// from its own buffer after it.
+    async fn put(&mut self, data: &Bytes) -> io::Result<()> {
+        if data.len() < COPY_LIMIT {
+            self.out.extend_from_slice(data);
+            if self.out.len() >= FLUSH_AT {
+                self.flush().await?;
+            }
+            Ok(())
+        } else {
+            self.flush().await?;
+            self.stream.write_all(data).await
+        }
+    }
+
+    async fn flush(&mut self) -> io::Result<()> {
+        if !self.out.is_empty() {
+            self.stream.write_all(&self.out).await?;
+            self.out.clear();
+        }
+        Ok(())
+    }
+}
+
+/// Take a request head off the front of `buf` if this loop serves it (see the module doc).
+fn parse(buf: &mut BytesMut, max_head: usize) -> Parsed {
+    let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut req = httparse::Request::new(&mut slots);
+    let len = match req.parse(buf) {
+        Ok(httparse::Status::Complete(len)) if len <= max_head => len,
+        Ok(httparse::Status::Partial) if buf.len() < max_head => return Parsed::Partial,
+        _ => return Parsed::HandOff,
+    };
+    if req.version != Some(1) {
+        return Parsed::HandOff;
+    }
+    let (Some(method), Some(path)) = (req.method, req.path) else {
+        return Parsed::HandOff;
+    };
+    if !path.starts_with('/') {
+        return Parsed::HandOff;
+    }
+    let Ok(method) = Method::from_bytes(method.as_bytes()) else {
+        return Parsed::HandOff;
+    };
+    if method == Method::CONNECT {
+        return Parsed::HandOff;
+    }
+    // Where each piece lies in `buf`, to take it from the frozen head without a copy.
+    let base = buf.as_ptr() as usize;
+    let at = |s: &[u8]| {
+        let start = s.as_ptr() as usize - base;
+        start..start + s.len()
+    };
+    let path_at = at(path.as_bytes());
+    let mut body_len = None;
+    let mut close = false;
+    let mut fields: SmallVec<[(HeaderName, std::ops::Range<usize>); 24]> = SmallVec::new();
+    for h in req.headers.iter() {
+        let Ok(name) = HeaderName::from_bytes(h.name.as_bytes()) else {
+            return Parsed::HandOff;
+        };
+        match name {
+            header::TRANSFER_ENCODING | header::UPGRADE | header::EXPECT => return Parsed::HandOff,
+            header::CONTENT_LENGTH => {
+                let Some(n) = digits(h.value).filter(|n| *n <= MAX_BODY) else {
+                    return Parsed::HandOff;
+                };
+                if body_len.replace(n).is_some() {
+                    return Parsed::HandOff;
+                }
+            }
+            header::CONNECTION => close |= has_token(h.value, b"close"),
+            _ => {}
+        }
+        fields.push((name, at(h.value)));
+    }
+    let head = buf.split_to(len).freeze();
+    let Ok(uri) = Uri::from_maybe_shared(head.slice(path_at)) else {
+        put_back(buf, head);
+        return Parsed::HandOff;
+    };
+    let mut headers = HeaderMap::with_capacity(fields.len());
+    for (name, value_at) in fields {
+        // httparse admits in a value exactly the bytes `HeaderValue` does (HTAB, SP,
+        // visible ASCII, obs-text), so this does not fail; if it did, hyper would judge.
+        let Ok(value) = HeaderValue::from_maybe_shared(head.slice(value_at)) else {
+            put_back(buf, head);
+            return Parsed::HandOff;
+        };
+        headers.append(name, value);
+    }
+    Parsed::Ready(Head {
+        method,
+        uri,
+        headers,
+        body_len: body_len.unwrap_or(0),
+        close,
+    })
+}
+
+/// Undo the head's split: `buf` holds every unused byte again, the head first.
+fn put_back(buf: &mut BytesMut, head: Bytes) {
+    let mut whole = BytesMut::with_capacity(head.len() + buf.len());
+    whole.extend_from_slice(&head);
+    whole.extend_from_slice(buf);
+    *buf = whole;
+}
+
+/// A `Content-Length` value of plain digits (what hyper accepts from a single header,
+/// less comma lists); `None` for anything else or a number past `usize`.
+fn digits(v: &[u8]) -> Option<usize> {
+    if v.is_empty() || v.len() > 19 || !v.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    std::str::from_utf8(v).ok()?.parse().ok()
+}
+
+/// Whether a comma-separated header value holds `token` (case-insensitive).
+fn has_token(v: &[u8], token: &[u8]) -> bool {
+    v.split(|b| *b == b',')
+        .any(|t| t.trim_ascii().eq_ignore_ascii_case(token))
+}
+
+/// How an answer's body goes on the wire.
+#[derive(Debug, PartialEq, Eq)]
+enum Framing {
+    /// No body bytes (none, `HEAD`, 204, 304).
+    Empty,
+    Length(u64),
+    Chunked,
+}
+
+/// Write the answer's head into `out`, as hyper's HTTP/1.1 server would for this request,
+/// and say how its body is framed. `None` for a 1xx status, which hyper refuses too.
+fn encode_head(
+    out: &mut Vec<u8>,
+    parts: &http::response::Parts,
+    body: &ProxyBody,
+    is_head: bool,
+    close: &mut bool,
+) -> Option<Framing> {
+    let status = parts.status;
+    if status.is_informational() {
+        return None;
+    }
+    let no_length = status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED;
+    let no_body = no_length || is_head;
+    // `None`: no body at all; `Some(None)`: a body of unknown length.
+    let length = if body.is_end_stream() {
+        None
+    } else {
+        Some(body.size_hint().exact())
+    };
+    if status == StatusCode::OK {
+        out.extend_from_slice(b"HTTP/1.1 200 OK\r\n");
+    } else {
+        out.extend_from_slice(b"HTTP/1.1 ");
+        out.extend_from_slice(status.as_str().as_bytes());
+        out.push(b' ');
+        out.extend_from_slice(status.canonical_reason().unwrap_or("<none>").as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    let mut framing = None;
+    let mut wrote_date = false;
+    let mut wrote_close = false;
+    for (name, value) in &parts.headers {
+        match *name {
+            header::CONTENT_LENGTH => {
+                if framing.is_some() {
+                    continue;
+                }
+                match length {
+                    Some(Some(n)) => {
+                        length_line(out, n);
+                        framing = Some(Framing::Length(n));
+                    }
+                    Some(None) => {
+                        // A body that does not know its length, under a header that does.
+                        if let Some(n) = digits(value.as_bytes()) {
+                            line(out, b"content-length", value.as_bytes());
+                            framing = Some(Framing::Length(n as u64));
+                        }
+                    }
+                    // No body: the header stands only in answer to `HEAD`.
+                    None if is_head => {
+                        line(out, b"content-length", value.as_bytes());
+                        framing = Some(Framing::Empty);
+                    }
+                    None => {}
+                }
+                continue;
+            }
+            // Framing is this writer's; the proxy strips both from answers anyway.
+            header::TRANSFER_ENCODING | header::TRAILER => continue,
+            header::CONNECTION if has_token(value.as_bytes(), b"close") => {
+                *close = true;
+                wrote_close = true;
+            }
+            header::DATE => wrote_date = true,
+            _ => {}
+        }
+        line(out, name.as_str().as_bytes(), value.as_bytes());
+    }
+    let framing = match (framing, length) {
+        (Some(f), _) => f,
+        (None, Some(None)) if no_body => Framing::Empty,
+        (None, Some(None)) => {
+            out.extend_from_slice(b"transfer-encoding: chunked\r\n");
+            Framing::Chunked
+        }
+        (None, None | Some(Some(0))) => {
+            if !no_body {
+                out.extend_from_slice(b"content-length: 0\r\n");
+            }
+            Framing::Empty
+        }
+        (None, Some(Some(n))) => {
+            if no_length {
+                Framing::Empty
+            } else {
+                length_line(out, n);
+                Framing::Length(n)
+            }
+        }
+    };
+    if *close && !wrote_close {
+        out.extend_from_slice(b"connection: close\r\n");
+    }
+    if !wrote_date {
+        date_line(out);
+    }
+    out.extend_from_slice(b"\r\n");
+    Some(if no_body { Framing::Empty } else { framing })
+}
+
+fn line(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
+    out.extend_from_slice(name);
+    out.extend_from_slice(b": ");
+    out.extend_from_slice(value);
+    out.extend_from_slice(b"\r\n");
+}
+
+fn length_line(out: &mut Vec<u8>, n: u64) {
+    // Writing to a `Vec` does not fail.
+    let _ = write!(out, "content-length: {n}\r\n");
+}
+
+/// `date: <IMF-fixdate>\r\n`, formatted once a second per thread (as hyper caches it).
+fn date_line(out: &mut Vec<u8>) {
+    thread_local! {
+        static DATE: std::cell::RefCell<(u64, String)> = const { std::cell::RefCell::new((u64::MAX, String::new())) };
+    }
+    let now = SystemTime::now();
+    let secs = now.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    DATE.with(|date| {
+        let mut date = date.borrow_mut();
+        if date.0 != secs {
+            *date = (secs, httpdate::fmt_http_date(now));
+        }
+        line(out, b"date", date.1.as_bytes());
+    });
+}
+
+/// A socket with bytes already read from it put back in front, for hyper to read again.
+struct Rewound {
+    prefix: Bytes,
+    stream: TcpStream,
+}
+
+impl AsyncRead for Rewound {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if this.prefix.is_empty() {
+            return Pin::new(&mut this.stream).poll_read(cx, buf);
+        }
+        let n = this.prefix.len().min(buf.remaining());
+        buf.put_slice(&this.prefix[..n]);
+        this.prefix.advance(n);
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl AsyncWrite for Rewound {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().stream).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().stream).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::body;
+
+    fn parsed(bytes: &[u8]) -> (Parsed, BytesMut) {
+        let mut buf = BytesMut::from(bytes);
+        let p = parse(&mut buf, 8 * 1024);
+        (p, buf)
+    }
+
+    fn hands_off(bytes: &[u8]) {
+        let (p, buf) = parsed(bytes);
+        assert!(
+            matches!(p, Parsed::HandOff),
+            "{:?}",
+            String::from_utf8_lossy(bytes)
+        );
+        assert_eq!(&buf[..], bytes, "a hand-off consumes nothing");
+    }
+
+    #[test]
+    fn takes_plain_requests_and_leaves_what_follows() {
+        let (p, buf) = parsed(
+            b"POST /a/b?c=d HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nX-Two: 1\r\nx-two: 2\r\n\r\nhelloGET /",
+        );
+        let Parsed::Ready(head) = p else {
+            panic!("not taken")
+        };
+        assert_eq!(head.method, Method::POST);
+        assert_eq!(head.uri, "/a/b?c=d");
+        assert_eq!(head.body_len, 5);
+        assert!(!head.close);
+        assert_eq!(head.headers["host"], "x");
+        let twos: Vec<_> = head.headers.get_all("x-two").iter().collect();
+        assert_eq!(twos, ["1", "2"]);
+        assert_eq!(&buf[..], b"helloGET /");
+    }
+
+    #[test]
+    fn waits_for_a_whole_head() {
+        assert!(matches!(
+            parsed(b"GET / HTTP/1.1\r\nHost:").0,
+            Parsed::Partial
+        ));
+        assert!(matches!(parsed(b"").0, Parsed::Partial));
+        // A partial head as long as the limit is hyper's to refuse (431).
+        let mut long = b"GET / HTTP/1.1\r\nx: ".to_vec();
+        long.resize(8 * 1024, b'a');
+        hands_off(&long);
+    }
+
+    #[test]
+    fn notes_connection_close() {
+        let (p, _) = parsed(b"GET / HTTP/1.1\r\nConnection: keep-alive, Close\r\n\r\n");
+        let Parsed::Ready(head) = p else {
+            panic!("not taken")
+        };
+        assert!(head.close);
+    }
+
+    #[test]
+    fn hands_everything_else_to_hyper() {
+        for bytes in [
+            &b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"[..],
+            b"GET / HTTP/1.0\r\n\r\n",
+            b"GET http://example.com/ HTTP/1.1\r\n\r\n",
+            b"OPTIONS * HTTP/1.1\r\n\r\n",
+            b"CONNECT example.com:443 HTTP/1.1\r\n\r\n",
+            b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+            b"POST / HTTP/1.1\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n",
+            b"POST / HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 3\r\n\r\nabc",
+            b"POST / HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabcd",
+            b"POST / HTTP/1.1\r\nContent-Length: +3\r\n\r\nabc",
+            b"POST / HTTP/1.1\r\nContent-Length: 3, 3\r\n\r\nabc",
+            b"POST / HTTP/1.1\r\nContent-Length: 65537\r\n\r\n",
+            b"POST / HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 3\r\n\r\n",
+            b"GET / HTTP/1.1\r\nUpgrade: websocket\r\nConnection: upgrade\r\n\r\n",
+            b"HELLO\r\n\r\n",
+            b"GET / HTTP/1.1\r\nHost : x\r\n\r\n",
+            b"GET / HTTP/1.1\r\nx: a\0b\r\n\r\n",
+            b"GET / HTTP/1.1\r\nx: a\r\n folded\r\n\r\n",
+            // httparse takes `<` in a path, `Uri` does not: the head is put back.
+            b"GET /a<b HTTP/1.1\r\nHost: x\r\n\r\nGET / HTTP/1.1\r\n\r\n",
+        ] {
+            hands_off(bytes);
+        }
+        let mut many = b"GET / HTTP/1.1\r\n".to_vec();
+        for i in 0..=MAX_HEADERS {
+            many.extend_from_slice(format!("x-{i}: y\r\n").as_bytes());
+        }
+        many.extend_from_slice(b"\r\n");
+        hands_off(&many);
+    }
+
+    fn head_of(resp: Response<ProxyBody>, is_head: bool, close: bool) -> (String, Framing, bool) {
+        let (parts, body) = resp.into_parts();
+        let mut out = Vec::new();
+        let mut close = close;
+        let framing = encode_head(&mut out, &parts, &body, is_head, &mut close).expect("encodes");
+        let text = String::from_utf8(out).expect("ASCII");
+        // The date varies; check it is there and drop it.
+        let (before, after) = text.split_once("date: ").expect("a date header");
+        let (_, rest) = after.split_once("\r\n").expect("ends");
+        (format!("{before}{rest}"), framing, close)
+    }
+
+    fn with(status: u16, headers: &[(&str, &str)], body: ProxyBody) -> Response<ProxyBody> {
+        let mut resp = Response::new(body);
+        *resp.status_mut() = StatusCode::from_u16(status).expect("status");
+        for (k, v) in headers {
+            resp.headers_mut().append(
+                HeaderName::from_bytes(k.as_bytes()).expect("name"),
+                HeaderValue::from_str(v).expect("value"),
+            );
+        }
+        resp
+    }
+
+    fn unknown_length() -> ProxyBody {
+        let chunks = futures_util::stream::iter(vec![Ok::<_, body::BoxError>(
+            http_body::Frame::data(Bytes::from_static(b"abc")),
+        )]);
+        http_body_util::StreamBody::new(chunks).boxed()
+    }
+
+    #[test]
+    fn frames_answers_as_hyper_does() {
+        let (h, f, _) = head_of(
+            with(200, &[("x-a", "1")], body::full("hello")),
+            false,
+            false,
+        );
+        assert_eq!(h, "HTTP/1.1 200 OK\r\nx-a: 1\r\ncontent-length: 5\r\n\r\n");
+        assert_eq!(f, Framing::Length(5));
+
+        // A length header is written once, from the body's own length.
+        let (h, f, _) = head_of(
+            with(201, &[("content-length", "5")], body::full("hello")),
+            false,
+            false,
+        );
+        assert_eq!(h, "HTTP/1.1 201 Created\r\ncontent-length: 5\r\n\r\n");
+        assert_eq!(f, Framing::Length(5));
+
+        let (h, f, _) = head_of(with(200, &[], unknown_length()), false, false);
+        assert_eq!(h, "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n");
+        assert_eq!(f, Framing::Chunked);
+
+        let (h, f, _) = head_of(with(404, &[], body::empty()), false, false);
+        assert_eq!(h, "HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n");
+        assert_eq!(f, Framing::Empty);
+
+        for status in [204, 304] {
+            let (h, f, _) = head_of(with(status, &[], body::full("x")), false, false);
+            assert!(!h.contains("content-length"), "{h}");
+            assert_eq!(f, Framing::Empty);
+        }
+
+        // HEAD: the upstream's length stands, nothing follows.
+        let (h, f, _) = head_of(
+            with(200, &[("content-length", "42")], body::empty()),
+            true,
+            false,
+        );
+        assert_eq!(h, "HTTP/1.1 200 OK\r\ncontent-length: 42\r\n\r\n");
+        assert_eq!(f, Framing::Empty);
+        let (h, f, _) = head_of(with(200, &[], body::full("hello")), true, false);
+        assert_eq!(h, "HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n");
+        assert_eq!(f, Framing::Empty);
+        let (h, _, _) = head_of(with(200, &[], body::empty()), true, false);
+        assert_eq!(h, "HTTP/1.1 200 OK\r\n\r\n");
+    }
+
+    #[test]
+    fn says_when_the_connection_closes() {
+        let (h, _, close) = head_of(with(200, &[], body::empty()), false, true);
+        assert_eq!(
+            h,
+            "HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+        );
+        assert!(close);
+        let (h, _, close) = head_of(
+            with(200, &[("connection", "close")], body::empty()),
+            false,
+            false,
+        );
+        assert_eq!(
+            h,
+            "HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 0\r\n\r\n"
+        );
+        assert!(close);
+    }
+
+    #[test]
+    fn refuses_1xx_answers() {
+        let (parts, body) = with(103, &[], body::empty()).into_parts();
+        let mut close = false;
+        assert!(encode_head(&mut Vec::new(), &parts, &body, false, &mut close).is_none());
+    }
+
+    #[test]
+    fn reads_lengths_and_tokens() {
+        assert_eq!(digits(b"0"), Some(0));
+        assert_eq!(digits(b"0012"), Some(12));
+        for bad in [
+            &b""[..],
+            b"+1",
+            b"-1",
+            b"1 ",
+            b"0x10",
+            b"1,1",
+            b"99999999999999999999",
+        ] {
+            assert_eq!(digits(bad), None, "{bad:?}");
+        }
+        assert!(has_token(b"keep-alive, close", b"close"));
+        assert!(has_token(b"CLOSE", b"close"));
+        assert!(!has_token(b"closed", b"close"));
+    }
+
+    #[tokio::test]
+    async fn rewound_reads_the_prefix_first() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let client = tokio::spawn(async move {
+            let mut s = TcpStream::connect(addr).await.expect("connect");
+            s.write_all(b" world").await.expect("write");
+        });
+        let (stream, _) = listener.accept().await.expect("accept");
+        client.await.expect("client");
+        let mut io = Rewound {
+            prefix: Bytes::from_static(b"hello"),
+            stream,
+        };
+        let mut all = Vec::new();
+        io.read_to_end(&mut all).await.expect("read");
+        assert_eq!(all, b"hello world");
+    }
+}
