@@ -97,6 +97,7 @@ pub async fn serve<H, F>(
         stream,
         buf: BytesMut::new(),
         out: Vec::new(),
+        spare: None,
         draining: false,
     };
     if shared.fast {
@@ -154,6 +155,9 @@ struct Conn {
     buf: BytesMut,
     /// The answer being written (kept between requests for its capacity).
     out: Vec<u8>,
+    /// The last answer's header map, emptied, for the next request's headers (as hyper
+    /// reuses it): no allocation, and room for the headers the proxy adds.
+    spare: Option<HeaderMap>,
     /// Shutdown was asked for: the request being read or served is the last.
     draining: bool,
 }
@@ -191,13 +195,19 @@ impl Conn {
         H: Fn(Request<RequestBody>, ClientAddr) -> F + Clone + Send + Sync + 'static,
         F: Future<Output = Response<ProxyBody>> + Send + 'static,
     {
-        let head_timer = tokio::time::sleep(HEAD_TIMEOUT);
+        // One timer and one shutdown watch for the connection's life, polled by every
+        // wait: setting a timer and a watch up for each request cost about 1,000
+        // instructions of a pass-through's 27,000 (docs/PERFORMANCE.md, item 35).
+        let mut head_since = tokio::time::Instant::now();
+        let head_timer = tokio::time::sleep_until(head_since + HEAD_TIMEOUT);
         tokio::pin!(head_timer);
+        let stop = super::server::stopped(shutdown);
+        tokio::pin!(stop);
         loop {
-            // The head. The timer is armed only when it has to be waited for.
-            let mut armed = false;
+            // The head.
+            let mut waited = false;
             let head = loop {
-                match parse(&mut self.buf, shared.max_head) {
+                match parse(&mut self.buf, shared.max_head, &mut self.spare) {
                     Parsed::Ready(head) => break head,
                     Parsed::HandOff => return End::HandOff,
                     Parsed::Partial => {}
@@ -205,11 +215,9 @@ impl Conn {
                 if self.draining && self.buf.is_empty() {
                     return End::Close;
                 }
-                if !armed {
-                    head_timer
-                        .as_mut()
-                        .reset(tokio::time::Instant::now() + HEAD_TIMEOUT);
-                    armed = true;
+                if !waited {
+                    head_since = tokio::time::Instant::now();
+                    waited = true;
                 }
                 self.reserve();
                 tokio::select! {
@@ -218,11 +226,17 @@ impl Conn {
                         Ok(0) | Err(_) => return End::Close,
                         Ok(_) => {}
                     },
+                    // The timer runs to the first deadline it was set for and is set again
+                    // only then: to the current wait's deadline, or it ends the connection.
                     _ = head_timer.as_mut() => {
-                        tracing::debug!("no complete request head within 30 s; closing the connection");
-                        return End::Close;
+                        let deadline = head_since + HEAD_TIMEOUT;
+                        if deadline <= tokio::time::Instant::now() {
+                            tracing::debug!("no complete request head within 30 s; closing the connection");
+                            return End::Close;
+                        }
+                        head_timer.as_mut().reset(deadline);
                     }
-                    _ = super::server::stopped(shutdown), if !self.draining => self.draining = true,
+                    _ = &mut stop, if !self.draining => self.draining = true,
                 }
             };
             // The body, read whole. If the client stops sending before its end, the request
@@ -266,7 +280,7 @@ impl Conn {
                         Ok(0) | Err(_) => return End::Close,
                         Ok(_) => {}
                     },
-                    _ = super::server::stopped(shutdown), if !self.draining => self.draining = true,
+                    _ = &mut stop, if !self.draining => self.draining = true,
                 }
             };
             close |= self.draining;
@@ -302,9 +316,13 @@ impl Conn {
         is_head: bool,
         close: &mut bool,
     ) -> io::Result<()> {
-        let (parts, mut body) = resp.into_parts();
+        let (mut parts, mut body) = resp.into_parts();
         self.out.clear();
-        let framing = match encode_head(&mut self.out, &parts, &body, is_head, close) {
+        let framing = encode_head(&mut self.out, &parts, &body, is_head, close);
+        let mut spare = std::mem::take(&mut parts.headers);
+        spare.clear();
+        self.spare = Some(spare);
+        let framing = match framing {
             Some(framing) => framing,
             None => {
                 // hyper's answer to a handler that returns a 1xx status.
@@ -402,8 +420,13 @@ impl Conn {
     }
 }
 
+/// Room in a request's header map for the headers the proxy adds before forwarding it
+/// (`Host`, `X-Forwarded-*`), so that they do not make it grow.
+const ADDED_HEADERS: usize = 4;
+
 /// Take a request head off the front of `buf` if this loop serves it (see the module doc).
-fn parse(buf: &mut BytesMut, max_head: usize) -> Parsed {
+/// Its headers go into `spare` when there is one.
+fn parse(buf: &mut BytesMut, max_head: usize, spare: &mut Option<HeaderMap>) -> Parsed {
     let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
     let mut req = httparse::Request::new(&mut slots);
     let len = match req.parse(buf) {
@@ -460,7 +483,8 @@ fn parse(buf: &mut BytesMut, max_head: usize) -> Parsed {
         put_back(buf, head);
         return Parsed::HandOff;
     };
-    let mut headers = HeaderMap::with_capacity(fields.len());
+    let mut headers = spare.take().unwrap_or_default();
+    headers.reserve(fields.len() + ADDED_HEADERS);
     for (name, value_at) in fields {
         // httparse admits in a value exactly the bytes `HeaderValue` does (HTAB, SP,
         // visible ASCII, obs-text), so this does not fail; if it did, hyper would judge.
@@ -622,8 +646,11 @@ fn line(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
 }
 
 fn length_line(out: &mut Vec<u8>, n: u64) {
-    // Writing to a `Vec` does not fail.
-    let _ = write!(out, "content-length: {n}\r\n");
+    line(
+        out,
+        b"content-length",
+        itoa::Buffer::new().format(n).as_bytes(),
+    );
 }
 
 /// `date: <IMF-fixdate>\r\n`, formatted once a second per thread (as hyper caches it).
@@ -702,7 +729,7 @@ mod tests {
 
     fn parsed(bytes: &[u8]) -> (Parsed, BytesMut) {
         let mut buf = BytesMut::from(bytes);
-        let p = parse(&mut buf, 8 * 1024);
+        let p = parse(&mut buf, 8 * 1024, &mut None);
         (p, buf)
     }
 
