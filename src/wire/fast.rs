@@ -1,11 +1,11 @@
 //! The listener's HTTP/1.1 fast path: plain requests served by a loop written out here,
 //! everything else handed to hyper on the same connection.
 //!
-//! hyper's server cost about 2 µs of CPU per request on the benchmark machine, a third of
-//! a replay's user time; a loop doing the same reads and writes without it cost about a
-//! third as much (docs/PERFORMANCE.md, items 33 and 35). The requests an agent's tool loop
-//! sends are nearly all simple on the wire, so those are served here, and the rest keep
-//! hyper's full treatment:
+//! hyper's server was about a third of a replay's user time on the benchmark machine;
+//! served here, a replay costs 16% fewer instructions, a pass-through POST 14% and a GET
+//! 9% (docs/PERFORMANCE.md, items 33 and 35). The requests an agent's tool loop sends are
+//! nearly all simple on the wire, so those are served here, and the rest keep hyper's
+//! full treatment:
 //!
 //! - A request is served here when its head parses (httparse, hyper's own parser, with
 //!   hyper's limit of 100 headers) within `limits.max_header_bytes`, it is HTTP/1.1 in
@@ -18,7 +18,10 @@
 //!   hyper with every byte read so far put back in front of the socket ([`Rewound`]). hyper
 //!   then parses that request itself and answers exactly as it would have from the start
 //!   (400, 414, 431, `100 Continue`, streaming, upgrades, HTTP/2), and keeps the connection.
-//!   So this loop never answers a malformed request, and no request is parsed by both.
+//!   So this loop never answers a request it did not take, malformed ones included.
+//! - One difference: a body of up to [`MAX_BODY`] is read whole first, so a `413` for one
+//!   comes when it has arrived (hyper answers from the `Content-Length` at once, and then
+//!   cannot keep the connection).
 //! - Answers are framed as hyper frames them: `Content-Length` when the body's length is
 //!   known, chunked otherwise, no body for `HEAD`, 204 and 304, an implicit
 //!   `content-length: 0`, a cached `date` header, `connection: close` when the connection
@@ -57,6 +60,7 @@ use tokio::sync::{mpsc, watch};
 
 use super::body::{ProxyBody, RequestBody};
 use super::headers::ClientAddr;
+use super::problem::{Kind, Problem};
 
 /// The largest request body read whole here; a longer one goes to hyper, which streams it.
 pub const MAX_BODY: usize = 64 * 1024;
@@ -123,8 +127,16 @@ async fn hand_off<H, F>(
 {
     let handler = shared.handler.clone();
     let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
-        let fut = handler(req.map(RequestBody::from), peer.clone());
-        async move { Ok::<_, Infallible>(fut.await) }
+        let served = match unsupported_coding(req.headers()) {
+            None => Ok(handler(req.map(RequestBody::from), peer.clone())),
+            Some(refused) => Err(refused),
+        };
+        async move {
+            Ok::<_, Infallible>(match served {
+                Ok(answer) => answer.await,
+                Err(refused) => refused,
+            })
+        }
     });
     let io = TokioIo::new(Rewound { prefix, stream });
     let conn = shared.hyper.serve_connection_with_upgrades(io, svc);
@@ -139,6 +151,29 @@ async fn hand_off<H, F>(
     if let Err(e) = ended {
         tracing::debug!(error = %e, "connection ended with error");
     }
+}
+
+/// `501 not-implemented` for a request whose `Transfer-Encoding` names a coding other than
+/// `chunked` (RFC 9112 section 6.1). hyper takes the chunked framing off such a body and
+/// hands over the still-coded bytes, and the proxy would pass them on as if they were the
+/// body itself. (The fast path takes no request with a `Transfer-Encoding` at all.)
+fn unsupported_coding(headers: &HeaderMap) -> Option<Response<ProxyBody>> {
+    let coding = headers
+        .get_all(header::TRANSFER_ENCODING)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+        .map(<[u8]>::trim_ascii)
+        .find(|c| !c.eq_ignore_ascii_case(b"chunked"))?;
+    Some(
+        Problem::new(
+            Kind::NotImplemented,
+            format!(
+                "the request's transfer coding `{}` is not supported (only `chunked` is); nothing was forwarded",
+                String::from_utf8_lossy(coding)
+            ),
+        )
+        .into_response(),
+    )
 }
 
 /// How the plain loop ended.

@@ -36,6 +36,9 @@ pub enum Kind {
     Conflict,
     /// An approval named arguments other than the execution's own.
     ApprovalMismatch,
+    /// A request framed in a way the proxy cannot pass on (a transfer coding other than
+    /// `chunked`).
+    NotImplemented,
     Internal,
 }
 
@@ -65,6 +68,7 @@ impl Kind {
             Kind::MethodNotAllowed => "method-not-allowed",
             Kind::Conflict => "conflict",
             Kind::ApprovalMismatch => "approval-mismatch",
+            Kind::NotImplemented => "not-implemented",
             Kind::Internal => "internal",
         }
     }
@@ -89,6 +93,7 @@ impl Kind {
             Kind::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
             Kind::Unauthorized => StatusCode::UNAUTHORIZED,
             Kind::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            Kind::NotImplemented => StatusCode::NOT_IMPLEMENTED,
             Kind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -118,6 +123,7 @@ impl Kind {
             Kind::MethodNotAllowed => "Method not allowed",
             Kind::Conflict => "Conflict",
             Kind::ApprovalMismatch => "Approval does not match the execution's arguments",
+            Kind::NotImplemented => "Not implemented",
             Kind::Internal => "Internal error",
         }
     }
