@@ -30,6 +30,11 @@ async fn sigterm_drains_the_request_in_flight() {
         StatusCode::CREATED,
         "the in-flight call finished before exit: {r:?}"
     );
+    assert_eq!(
+        r.header("connection"),
+        Some("close"),
+        "the last answer on a draining connection says it closes: {r:?}"
+    );
     let rows = records(&dir.path().join("idemproxy.yaml"));
     assert!(
         rows.iter()
