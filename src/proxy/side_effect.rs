@@ -138,9 +138,9 @@ pub async fn admit(
     })
 }
 
-/// Copies of the request's head and body in allocations of their own. hyper hands out the
-/// path, header values and a one-chunk body as slices of the connection's read buffer
-/// (8 to 16 KiB); a call that waits on the store and the downstream would keep that whole
+/// Copies of the request's head and body in allocations of their own. The listener (its
+/// fast path as hyper) hands out the path, header values and a body as slices of the
+/// connection's read buffer (8 to 16 KiB); a call that waits on the store and the downstream would keep that whole
 /// buffer alive, and with 1,000 calls in flight those buffers were the largest part of the
 /// proxy's memory. Copying under a kilobyte is cheap next to a durable write.
 fn detach(mut parts: Parts, body: &Bytes) -> (Parts, Bytes) {

@@ -1,6 +1,8 @@
-//! The listener: accepts TCP connections and serves HTTP/1.1 and HTTP/2 (auto-detected)
-//! with hyper, handing every request to a service. Shutdown stops accepting and drains
-//! in-flight connections, bounded by a grace period.
+//! The listener: accepts TCP connections and serves HTTP/1.1 and HTTP/2 (auto-detected),
+//! handing every request to a service: plain HTTP/1.1 requests through the fast path in
+//! [`super::fast`], everything else with hyper. Shutdown stops accepting and drains
+//! in-flight connections, bounded by a grace period. (The admin listener, [`serve`], is
+//! hyper only.)
 //!
 //! Connections are served by worker threads, one single-threaded tokio runtime each,
 //! and a connection stays on the worker it was handed to: a proxied request then never
