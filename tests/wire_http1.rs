@@ -1,15 +1,17 @@
 //! The proxy's HTTP/1.1 server side on the wire: raw bytes in, raw bytes out, against the
 //! real `idemproxy` binary and the fake downstream.
 //!
-//! hyper serves every HTTP/1 connection today. These tests pin down what it does on the
-//! edge cases a hand-written server would have to get right (keep-alive and close,
-//! pipelining, split and chunked bodies, HEAD and bodiless statuses, `Expect`, request
-//! smuggling defences, malformed and oversized heads, clients that vanish mid-body, upgrade
-//! requests, the HTTP/2 preface), so that a fast path serving the simple requests itself
-//! and handing the rest to hyper can be checked against exactly today's behaviour. Where a
-//! test says "hyper's behaviour", that is what the current binary was observed to do, and
-//! what any replacement must keep. Each test asserts status, framing, whether the
-//! connection stays open, and what reached the downstream; none asserts timing.
+//! They were written while hyper served every HTTP/1 connection, before the listener's
+//! fast path (src/wire/fast.rs) existed, and pin down what hyper did on the edge cases a
+//! hand-written server has to get right (keep-alive and close, pipelining, split and
+//! chunked bodies, HEAD and bodiless statuses, `Expect`, request smuggling defences,
+//! malformed and oversized heads, clients that vanish mid-body, upgrade requests, the
+//! HTTP/2 preface). The fast path serves the simple requests and hands the rest to hyper;
+//! these tests hold it to hyper's behaviour. Where a test says "hyper's behaviour", that is
+//! what the binary did before the fast path; the two answers changed on purpose since say
+//! so (a 413 after a buffered body; `gzip, chunked` refused with 501). Each
+//! test asserts status, framing, whether the connection stays open, and what reached the
+//! downstream; none asserts timing.
 //!
 //! The config is the standard test config plus an upstream `ro`, mounted at `/ro` on the
 //! fake downstream, whose every path and method is read-only (a plain pass-through):
