@@ -174,6 +174,10 @@ pub async fn start(cfg: Config, store: Arc<dyn Store>) -> anyhow::Result<Running
         max_header_bytes,
         ..crate::wire::server::Options::from_env(Duration::from_secs(30))
     };
+    let hyper_connections = proxy.metrics.hyper_connections.clone();
+    let on_hand_off: crate::wire::fast::HandOffHook = Arc::new(move || {
+        hyper_connections.inc();
+    });
     let task = tokio::spawn(async move {
         let make_handler = move || {
             let worker = Worker::new(p.clone());
@@ -183,7 +187,8 @@ pub async fn start(cfg: Config, store: Arc<dyn Store>) -> anyhow::Result<Running
             // heaptrack). A box lives only while its request does.
             move |req, peer| Box::pin(worker.clone().handle(req, peer))
         };
-        crate::wire::server::serve_on_workers(listener, make_handler, rx, options).await;
+        crate::wire::server::serve_on_workers(listener, make_handler, rx, options, on_hand_off)
+            .await;
         keeper.abort();
         gc.abort();
         reconciler.abort();

@@ -1,4 +1,5 @@
-//! Prometheus metrics (SPEC section 10), every family labelled by upstream and route.
+//! Prometheus metrics (SPEC section 10), every family labelled by upstream and route but the
+//! listener's count of connections served by hyper.
 //! prometheus-client is the Prometheus project's own Rust client: typed label sets, no
 //! global registry, OpenMetrics text encoding. Counter names get `_total` from the encoder.
 
@@ -32,6 +33,9 @@ pub struct Metrics {
     pub reconciliations: Family<ResultLabels, Counter>,
     pub unprotected: Family<RouteLabels, Counter>,
     pub upstream_duration: HistogramFamily,
+    /// Client connections of the proxy listener served by hyper (`wire::fast` hands them
+    /// over), not labelled.
+    pub hyper_connections: Counter,
 }
 
 fn latency_histogram() -> Histogram {
@@ -55,6 +59,7 @@ impl Metrics {
         let reconciliations = Family::<ResultLabels, Counter>::default();
         let unprotected = Family::<RouteLabels, Counter>::default();
         let upstream_duration: HistogramFamily = Family::new_with_constructor(latency_histogram);
+        let hyper_connections = Counter::default();
         registry.register(
             "idemproxy_attempts",
             "Side-effect requests sent downstream",
@@ -90,6 +95,11 @@ impl Metrics {
             "Time from sending a side effect downstream to its complete answer",
             upstream_duration.clone(),
         );
+        registry.register(
+            "idemproxy_hyper_connections",
+            "Client connections the HTTP/1.1 fast path handed to hyper (HTTP/2, HTTP/1.0, chunked or larger bodies, Expect, upgrades, malformed heads), or every connection with IDEMPROXY_FAST_PATH=0",
+            hyper_connections.clone(),
+        );
         Metrics {
             registry,
             attempts,
@@ -99,6 +109,7 @@ impl Metrics {
             reconciliations,
             unprotected,
             upstream_duration,
+            hyper_connections,
         }
     }
 
@@ -174,6 +185,7 @@ mod tests {
             "idemproxy_duplicates_prevented_total{upstream=\"mail\",route=\"send_email\"} 1",
             "idemproxy_reconciliations_total{upstream=\"mail\",route=\"send_email\",result=\"found\"} 1",
             "idemproxy_upstream_duration_seconds_count{upstream=\"mail\",route=\"send_email\"} 1",
+            "idemproxy_hyper_connections_total 0",
         ] {
             assert!(text.contains(name), "missing {name} in\n{text}");
         }

@@ -83,7 +83,12 @@ pub struct Shared<H> {
     pub max_head: usize,
     /// Serve plain requests here; `false` hands every connection to hyper at once.
     pub fast: bool,
+    /// Called for every connection handed to hyper (a metric).
+    pub on_hand_off: HandOffHook,
 }
+
+/// What [`Shared::on_hand_off`] is.
+pub type HandOffHook = Arc<dyn Fn() + Send + Sync>;
 
 /// Serve one connection until it ends. `_alive` is dropped when it does (the worker
 /// counts connections by it to drain them); `shutdown` turning true starts the drain.
@@ -111,6 +116,7 @@ pub async fn serve<H, F>(
         }
     }
     let Conn { stream, buf, .. } = conn;
+    (shared.on_hand_off)();
     hand_off(stream, buf.freeze(), peer, &shared, shutdown).await;
 }
 

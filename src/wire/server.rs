@@ -203,12 +203,14 @@ fn spawn_connection<H, F>(
 
 /// The proxy listener: serve on worker threads until `shutdown` turns true, then drain
 /// for at most `grace`. `make_handler` is called once per worker thread, so each can hold
-/// state of its own.
+/// state of its own. `on_hand_off` is called for every connection served by hyper rather
+/// than the fast path.
 pub async fn serve_on_workers<M, H, F>(
     listener: TcpListener,
     make_handler: M,
     mut shutdown: watch::Receiver<bool>,
     options: Options,
+    on_hand_off: fast::HandOffHook,
 ) where
     M: Fn() -> H,
     H: Fn(Request<RequestBody>, ClientAddr) -> F + Clone + Send + Sync + 'static,
@@ -222,12 +224,13 @@ pub async fn serve_on_workers<M, H, F>(
         let (done_tx, done_rx) = oneshot::channel::<()>();
         let handler = make_handler();
         let stop = shutdown.clone();
+        let on_hand_off = on_hand_off.clone();
         let cpu = cpus.as_ref().and_then(|c| c.get(i).copied());
         let spawned = std::thread::Builder::new()
             .name(format!("idemproxy-worker-{i}"))
             .spawn(move || {
                 pin_current_thread(i, cpu);
-                worker(rx, handler, stop, options);
+                worker(rx, handler, stop, options, on_hand_off);
                 let _ = done_tx.send(());
             });
         match spawned {
@@ -295,6 +298,7 @@ fn worker<H, F>(
     handler: H,
     mut shutdown: watch::Receiver<bool>,
     options: Options,
+    on_hand_off: fast::HandOffHook,
 ) where
     H: Fn(Request<RequestBody>, ClientAddr) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<ProxyBody>> + Send + 'static,
@@ -315,6 +319,7 @@ fn worker<H, F>(
             hyper: http_builder(options.max_header_bytes),
             max_head: options.max_header_bytes,
             fast: options.fast_path,
+            on_hand_off,
         });
         // Every connection task holds a sender; when all are gone, all have ended.
         let (alive, mut all_ended) = mpsc::channel::<()>(1);
