@@ -923,46 +923,29 @@ async fn no_secret_reaches_a_log_line() {
 #[tokio::test(flavor = "multi_thread")]
 async fn plain_requests_stay_on_the_fast_path_and_hand_offs_are_counted() {
     let (_dir, ds, proxy) = setup().await;
-    let c = client();
-    let counted = |text: &str| {
-        text.lines()
+    let admin = client();
+    let sent = |c: TestClient, prefix: &'static str| {
+        let url = proxy.url("/mail/send");
+        async move {
+            for i in 0..3 {
+                let key = format!("{prefix}-{i}");
+                let r = post(&c, &url, &[("idempotency-key", &key), TENANT], "{}").await;
+                assert_eq!(r.status, StatusCode::CREATED, "{r:?}");
+            }
+        }
+    };
+    let counted = |m: Resp| {
+        String::from_utf8_lossy(&m.body)
+            .lines()
             .find_map(|l| l.strip_prefix("idemproxy_hyper_connections_total "))
             .map(|n| n.trim().to_string())
     };
-    for i in 0..3 {
-        let key = format!("k-fast-{i}");
-        let r = post(
-            &c,
-            &proxy.url("/mail/send"),
-            &[("idempotency-key", &key), TENANT],
-            "{}",
-        )
-        .await;
-        assert_eq!(r.status, StatusCode::CREATED, "{r:?}");
-    }
-    let m = admin_get(&c, &proxy, "/metrics").await;
-    assert_eq!(
-        counted(&String::from_utf8_lossy(&m.body)).as_deref(),
-        Some("0")
-    );
-
+    sent(client(), "k-fast").await;
+    let m = admin_get(&admin, &proxy, "/metrics").await;
+    assert_eq!(counted(m).as_deref(), Some("0"));
     // HTTP/2 with prior knowledge is hyper's: one connection, counted once.
-    let h2 = h2_client();
-    for i in 0..2 {
-        let key = format!("k-h2-{i}");
-        let r = post(
-            &h2,
-            &proxy.url("/mail/send"),
-            &[("idempotency-key", &key), TENANT],
-            "{}",
-        )
-        .await;
-        assert_eq!(r.status, StatusCode::CREATED, "{r:?}");
-    }
-    let m = admin_get(&c, &proxy, "/metrics").await;
-    assert_eq!(
-        counted(&String::from_utf8_lossy(&m.body)).as_deref(),
-        Some("1")
-    );
-    assert_eq!(ds.commits(), 5);
+    sent(h2_client(), "k-h2").await;
+    let m = admin_get(&admin, &proxy, "/metrics").await;
+    assert_eq!(counted(m).as_deref(), Some("1"));
+    assert_eq!(ds.commits(), 6);
 }
