@@ -59,7 +59,7 @@ use tokio::net::TcpStream;
 use tokio::sync::{mpsc, watch};
 
 use super::body::{ProxyBody, RequestBody};
-use super::headers::ClientAddr;
+use super::headers::{has_token, tokens, ClientAddr};
 use super::problem::{Kind, Problem};
 
 /// The largest request body read whole here; a longer one goes to hyper, which streams it.
@@ -167,8 +167,7 @@ fn unsupported_coding(headers: &HeaderMap) -> Option<Response<ProxyBody>> {
     let coding = headers
         .get_all(header::TRANSFER_ENCODING)
         .iter()
-        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
-        .map(<[u8]>::trim_ascii)
+        .flat_map(|v| tokens(v.as_bytes()))
         .find(|c| !c.eq_ignore_ascii_case(b"chunked"))?;
     Some(
         Problem::new(
@@ -559,12 +558,6 @@ fn digits(v: &[u8]) -> Option<usize> {
         return None;
     }
     std::str::from_utf8(v).ok()?.parse().ok()
-}
-
-/// Whether a comma-separated header value holds `token` (case-insensitive).
-fn has_token(v: &[u8], token: &[u8]) -> bool {
-    v.split(|b| *b == b',')
-        .any(|t| t.trim_ascii().eq_ignore_ascii_case(token))
 }
 
 /// How an answer's body goes on the wire.
@@ -965,7 +958,7 @@ mod tests {
     }
 
     #[test]
-    fn reads_lengths_and_tokens() {
+    fn reads_lengths() {
         assert_eq!(digits(b"0"), Some(0));
         assert_eq!(digits(b"0012"), Some(12));
         for bad in [
@@ -979,9 +972,6 @@ mod tests {
         ] {
             assert_eq!(digits(bad), None, "{bad:?}");
         }
-        assert!(has_token(b"keep-alive, close", b"close"));
-        assert!(has_token(b"CLOSE", b"close"));
-        assert!(!has_token(b"closed", b"close"));
     }
 
     #[tokio::test]

@@ -419,8 +419,7 @@ impl Conn {
                     .unwrap_or(b"");
                 transfer_encoding = Some(last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
             } else if name == header::CONNECTION {
-                for token in value.as_bytes().split(|b| *b == b',') {
-                    let token = token.trim_ascii();
+                for token in super::headers::tokens(value.as_bytes()) {
                     close |= token.eq_ignore_ascii_case(b"close");
                     keep |= token.eq_ignore_ascii_case(b"keep-alive");
                 }

@@ -46,15 +46,11 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap) {
     if connection {
         let mut named: SmallVec<[HeaderName; 2]> = SmallVec::new();
         for value in h.get_all(header::CONNECTION) {
-            for token in value.as_bytes().split(|b| *b == b',') {
-                let token = token.trim_ascii();
+            for token in tokens(value.as_bytes()) {
                 // Tokens that name a hop-by-hop header (`keep-alive`, `upgrade`) or are
                 // `close` are skipped before a name is made of them: a name not known to
                 // `http` is an allocation.
-                if token.is_empty()
-                    || token.eq_ignore_ascii_case(b"close")
-                    || names_hop_by_hop(token)
-                {
+                if token.eq_ignore_ascii_case(b"close") || names_hop_by_hop(token) {
                     continue;
                 }
                 if let Ok(name) = HeaderName::from_bytes(token) {
@@ -69,6 +65,20 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap) {
     for name in &found {
         h.remove(name);
     }
+}
+
+/// The tokens of a comma-separated header value (`Connection`, `Transfer-Encoding`),
+/// trimmed, empty ones skipped.
+pub fn tokens(value: &[u8]) -> impl Iterator<Item = &[u8]> {
+    value
+        .split(|b| *b == b',')
+        .map(<[u8]>::trim_ascii)
+        .filter(|t| !t.is_empty())
+}
+
+/// Whether a comma-separated header value holds `token`, in any case.
+pub fn has_token(value: &[u8], token: &[u8]) -> bool {
+    tokens(value).any(|t| t.eq_ignore_ascii_case(token))
 }
 
 /// Whether `name` is one of [`HOP_BY_HOP`]. Names are lower case, and most have a length
@@ -149,6 +159,15 @@ pub fn set_forwarded(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tokens_are_trimmed_and_matched_in_any_case() {
+        let all: Vec<&[u8]> = tokens(b" keep-alive,,Close ,x").collect();
+        assert_eq!(all, [&b"keep-alive"[..], b"Close", b"x"]);
+        assert!(has_token(b"keep-alive, close", b"close"));
+        assert!(has_token(b"CLOSE", b"close"));
+        assert!(!has_token(b"closed", b"close"));
+    }
 
     #[test]
     fn strips_hop_by_hop_and_connection_named() {
