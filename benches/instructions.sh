@@ -142,6 +142,8 @@ for row in $ROWS; do
     floor-proxy-post) floor_proxy_row floor-proxy-post post ;;
     floor-raw) floor_proxy_row floor-raw get raw ;;
     floor-raw-post) floor_proxy_row floor-raw-post post raw ;;
+    floor-bare) floor_proxy_row floor-bare get bare-proxy ;;
+    floor-bare-post) floor_proxy_row floor-bare-post post bare-proxy ;;
     floor-static) port=$(free_port); count floor-static replay "$port" "$FLOOR" static --port "$port" ;;
     *) echo "unknown row $row" >&2; exit 1 ;;
   esac

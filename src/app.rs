@@ -179,14 +179,8 @@ pub async fn start(cfg: Config, store: Arc<dyn Store>) -> anyhow::Result<Running
         hyper_connections.inc();
     });
     let task = tokio::spawn(async move {
-        let make_handler = move || {
-            let worker = Worker::new(p.clone());
-            // Boxed per request: hyper keeps room for one service future in every
-            // connection for the connection's whole life, and the request lifecycle's
-            // future is about 6.5 KiB (6.5 MB of 1,000 idle keep-alive connections, in
-            // heaptrack). A box lives only while its request does.
-            move |req, peer| Box::pin(worker.clone().handle(req, peer))
-        };
+        // Each worker thread's handler (see `Worker`'s `Handler` impl).
+        let make_handler = move || Worker::new(p.clone());
         crate::wire::server::serve_on_workers(listener, make_handler, rx, options, on_hand_off)
             .await;
         keeper.abort();

@@ -66,15 +66,23 @@ pub struct OwnedTarget {
     pub params: Vec<(String, String)>,
 }
 
-impl OwnedTarget {
-    /// Borrow the target again from the same config it was classified against.
-    pub fn bind<'a>(&self, upstreams: &'a [Upstream]) -> Target<'a> {
-        let upstream = &upstreams[self.upstream_index];
-        let route = match self.route_ref {
+impl RouteRef {
+    /// The upstream and route this refers to, in the config it was classified against.
+    pub fn resolve(self, upstreams: &[Upstream], upstream_index: usize) -> (&Upstream, &Route) {
+        let upstream = &upstreams[upstream_index];
+        let route = match self {
             RouteRef::Declared(i) => &upstream.routes[i],
             RouteRef::FallbackSideEffect => &upstream.fallback_side_effect,
             RouteRef::FallbackReadOnly => &upstream.fallback_read_only,
         };
+        (upstream, route)
+    }
+}
+
+impl OwnedTarget {
+    /// Borrow the target again from the same config it was classified against.
+    pub fn bind<'a>(&self, upstreams: &'a [Upstream]) -> Target<'a> {
+        let (upstream, route) = self.route_ref.resolve(upstreams, self.upstream_index);
         Target {
             upstream_index: self.upstream_index,
             upstream,

@@ -2,6 +2,13 @@
 //! Transient failures (connect errors, resets, 502/503/504) are retried inside the proxy
 //! per the route's `retry`, but only for requests without a body: a streamed body cannot
 //! be sent twice.
+//!
+//! A request the listener's fast path read whole, to an `http://` upstream, goes by the
+//! read-only lane ([`forward_raw`], [`crate::wire::raw`]): forwarded as bytes, with the
+//! same headers, retries, timeouts and problems as [`forward`].
+
+use std::future::Future;
+use std::sync::Arc;
 
 use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
@@ -9,11 +16,14 @@ use hyper::body::Body;
 
 use super::downstream;
 use super::Runtime;
+use crate::config::{Route, Upstream};
 use crate::policy::classify::Target;
 use crate::wire::body::{self, ProxyBody, RequestBody};
-use crate::wire::client::{self, HttpClient};
+use crate::wire::client::{self, Held, HttpClient, SendError};
+use crate::wire::h1::RawHead;
 use crate::wire::headers::ClientAddr;
 use crate::wire::problem::{Kind, Problem};
+use crate::wire::raw::{RawAnswer, RawOutcome, RawRequest};
 
 pub async fn forward(
     rt: &Runtime,
@@ -46,13 +56,12 @@ pub async fn forward(
     let mut headers = Some(headers);
     let mut uri = Some(uri);
     let mut incoming = Some(incoming);
-    let mut backoff = route.retry.backoff;
-    for attempt in 1..=attempts {
+    let method = parts.method;
+    let sent = with_retries(target.upstream, route, attempts, |last| {
         let req_body = match incoming.take() {
             Some(b) if !bodyless => b.boxed(),
             _ => body::empty(),
         };
-        let last = attempt == attempts;
         let (attempt_uri, attempt_headers) = if last {
             (
                 uri.take().expect("only the last attempt takes the URI"),
@@ -64,48 +73,140 @@ pub async fn forward(
                 headers.clone().expect("present until the last attempt"),
             )
         };
-        let req = downstream::build(parts.method.clone(), attempt_uri, attempt_headers, req_body);
-        let outcome = tokio::time::timeout(route.timeout, client.request(req)).await;
-        match outcome {
-            Ok(Ok(resp)) => {
+        let req = downstream::build(method.clone(), attempt_uri, attempt_headers, req_body);
+        client.request(req)
+    })
+    .await;
+    match sent {
+        Ok(resp) => {
+            let (mut rparts, rbody) = resp.into_parts();
+            downstream::response_headers(&mut rparts.headers);
+            Response::from_parts(rparts, rbody.boxed())
+        }
+        Err(problem) => problem,
+    }
+}
+
+/// Whether `target`'s requests may take the read-only lane: a read-only route of an
+/// `http://` upstream.
+pub fn takes_raw(target: &Target<'_>) -> bool {
+    target.route.class == crate::config::Class::ReadOnly
+        && target.upstream.scheme == http::uri::Scheme::HTTP
+}
+
+/// [`forward`] for a request taken as bytes ([`takes_raw`]): the upstream request is
+/// written now, and the returned future sends it, with the route's retries, and keeps the
+/// answer's head as bytes.
+pub fn forward_raw(
+    rt: Arc<Runtime>,
+    target: &Target<'_>,
+    req: RawRequest,
+    peer: &ClientAddr,
+) -> impl Future<Output = RawOutcome> + Send + 'static {
+    let message = downstream::encode_raw(target, &req, peer, &rt.config.identity.key_header);
+    let (upstream_index, route_ref) = (target.upstream_index, target.route_ref);
+    let attempts = if req.body.is_empty() {
+        target.route.retry.attempts.max(1)
+    } else {
+        1
+    };
+    let method = req.method;
+    async move {
+        let (upstream, route) = route_ref.resolve(&rt.config.upstreams, upstream_index);
+        let client = &rt.clients[upstream_index];
+        let (head, body) = with_retries(upstream, route, attempts, |_| {
+            client.send_raw(&upstream.authority, &method, &message)
+        })
+        .await?;
+        let RawHead {
+            status,
+            bytes,
+            mut fields,
+        } = head;
+        downstream::retain_end_to_end(&bytes, &mut fields);
+        Ok(RawAnswer {
+            status,
+            head: bytes,
+            fields,
+            body: body.boxed(),
+        })
+    }
+}
+
+/// The status of an upstream's answer, to tell a transient one.
+trait Answered {
+    fn status(&self) -> StatusCode;
+}
+
+impl Answered for Response<Held> {
+    fn status(&self) -> StatusCode {
+        Response::status(self)
+    }
+}
+
+impl Answered for (RawHead, Held) {
+    fn status(&self) -> StatusCode {
+        self.0.status
+    }
+}
+
+/// Send up to `attempts` times: `send(last)` sends once. Connect errors, resets and
+/// 502/503/504 are tried again after the route's backoff (doubling), while attempts are
+/// left; the last attempt's answer is the answer. Each attempt has the route's timeout.
+/// A failure is answered with a problem: `502 upstream-unavailable` or `504
+/// upstream-timeout`.
+async fn with_retries<A, F, S>(
+    upstream: &Upstream,
+    route: &Route,
+    attempts: u32,
+    mut send: F,
+) -> Result<A, Response<ProxyBody>>
+where
+    A: Answered,
+    F: FnMut(bool) -> S,
+    S: Future<Output = Result<A, SendError>>,
+{
+    let mut backoff = route.retry.backoff;
+    for attempt in 1..=attempts {
+        let last = attempt == attempts;
+        match tokio::time::timeout(route.timeout, send(last)).await {
+            Ok(Ok(answer)) => {
                 let transient = matches!(
-                    resp.status(),
+                    answer.status(),
                     StatusCode::BAD_GATEWAY
                         | StatusCode::SERVICE_UNAVAILABLE
                         | StatusCode::GATEWAY_TIMEOUT
                 );
                 if transient && !last {
-                    tracing::debug!(upstream = %target.upstream.name, route = %route.name, attempt, status = %resp.status(), "transient status; retrying");
+                    tracing::debug!(upstream = %upstream.name, route = %route.name, attempt, status = %answer.status(), "transient status; retrying");
                 } else {
-                    let (mut rparts, rbody) = resp.into_parts();
-                    downstream::response_headers(&mut rparts.headers);
-                    return Response::from_parts(rparts, rbody.boxed());
+                    return Ok(answer);
                 }
             }
             Ok(Err(e)) => {
-                tracing::debug!(upstream = %target.upstream.name, route = %route.name, attempt, error = %client::describe(&e), "upstream request failed");
+                tracing::debug!(upstream = %upstream.name, route = %route.name, attempt, error = %client::describe(&e), "upstream request failed");
                 if last {
-                    return Problem::new(
+                    return Err(Problem::new(
                         Kind::UpstreamUnavailable,
                         format!(
                             "upstream `{}` failed: {}",
-                            target.upstream.name,
+                            upstream.name,
                             client::describe(&e)
                         ),
                     )
-                    .into_response();
+                    .into_response());
                 }
             }
             Err(_) => {
                 if last {
-                    return Problem::new(
+                    return Err(Problem::new(
                         Kind::UpstreamTimeout,
                         format!(
                             "upstream `{}` did not answer within {:?}",
-                            target.upstream.name, route.timeout
+                            upstream.name, route.timeout
                         ),
                     )
-                    .into_response();
+                    .into_response());
                 }
             }
         }

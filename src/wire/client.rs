@@ -89,6 +89,28 @@ impl HttpClient {
     }
 }
 
+impl HttpClient {
+    /// Send `message` (a request's head and body, [`super::raw`]) to the `http://`
+    /// upstream at `authority` and read its answer's head; the body, like
+    /// [`HttpClient::request`]'s, holds the request's in-flight slot.
+    pub async fn send_raw(
+        &self,
+        authority: &Authority,
+        method: &http::Method,
+        message: &[u8],
+    ) -> Result<(h1::RawHead, Held), SendError> {
+        let permit = self.permits.clone().acquire_owned().await.ok();
+        let (head, body) = self.direct.send_raw(authority, method, message).await?;
+        Ok((
+            head,
+            Held {
+                body: HeldBody::Direct(body),
+                permit,
+            },
+        ))
+    }
+}
+
 /// A response body holding its request's in-flight slot and, for [`Http1Pool`], its
 /// connection, which goes back to the pool once the body has been read to its end.
 pub struct Held {

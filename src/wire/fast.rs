@@ -45,15 +45,15 @@ use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::{Buf, Bytes, BytesMut};
+use futures_util::future::Either;
 use futures_util::FutureExt;
-use http::header::{self, HeaderMap, HeaderName, HeaderValue};
-use http::{Method, Request, Response, StatusCode, Uri, Version};
+use http::header::{self, HeaderMap};
+use http::{Method, Request, Response, StatusCode, Uri};
 use http_body::Body;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
-use smallvec::SmallVec;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, watch};
@@ -61,6 +61,7 @@ use tokio::sync::{mpsc, watch};
 use super::body::{ProxyBody, RequestBody};
 use super::headers::{has_token, tokens, ClientAddr};
 use super::problem::{Kind, Problem};
+use super::raw::{Field, Fields, RawAnswer, RawOutcome, RawRequest};
 
 /// The largest request body read whole here; a longer one goes to hyper, which streams it.
 pub const MAX_BODY: usize = 64 * 1024;
@@ -75,6 +76,22 @@ const READ_SPACE: usize = 8 * 1024;
 const COPY_LIMIT: usize = 16 * 1024;
 /// Buffered response bytes are written out once they reach this.
 const FLUSH_AT: usize = 64 * 1024;
+
+/// What serves a worker's requests.
+pub trait Handler: Clone + Send + Sync + 'static {
+    type Answer: Future<Output = Response<ProxyBody>> + Send + 'static;
+    type Raw: Future<Output = RawOutcome> + Send + 'static;
+
+    /// Serve `req`.
+    fn call(&self, req: Request<RequestBody>, peer: ClientAddr) -> Self::Answer;
+
+    /// Forward `req` as bytes if it may take the read-only lane ([`super::raw`]), or give
+    /// it back to be served by [`Handler::call`].
+    /// The request is given back by value once per request and never stored; a box would
+    /// be an allocation per request.
+    #[allow(clippy::result_large_err)]
+    fn forward_raw(&self, req: RawRequest, peer: &ClientAddr) -> Result<Self::Raw, RawRequest>;
+}
 
 /// What one connection needs from its worker.
 pub struct Shared<H> {
@@ -92,15 +109,14 @@ pub type HandOffHook = Arc<dyn Fn() + Send + Sync>;
 
 /// Serve one connection until it ends. `_alive` is dropped when it does (the worker
 /// counts connections by it to drain them); `shutdown` turning true starts the drain.
-pub async fn serve<H, F>(
+pub async fn serve<H>(
     stream: TcpStream,
     peer: ClientAddr,
     shared: Arc<Shared<H>>,
     mut shutdown: watch::Receiver<bool>,
     _alive: mpsc::Sender<()>,
 ) where
-    H: Fn(Request<RequestBody>, ClientAddr) -> F + Clone + Send + Sync + 'static,
-    F: Future<Output = Response<ProxyBody>> + Send + 'static,
+    H: Handler,
 {
     let mut conn = Conn {
         stream,
@@ -121,20 +137,19 @@ pub async fn serve<H, F>(
 }
 
 /// Serve the rest of the connection with hyper, `prefix` (bytes already read) first.
-async fn hand_off<H, F>(
+async fn hand_off<H>(
     stream: TcpStream,
     prefix: Bytes,
     peer: ClientAddr,
     shared: &Shared<H>,
     mut shutdown: watch::Receiver<bool>,
 ) where
-    H: Fn(Request<RequestBody>, ClientAddr) -> F + Clone + Send + Sync + 'static,
-    F: Future<Output = Response<ProxyBody>> + Send + 'static,
+    H: Handler,
 {
     let handler = shared.handler.clone();
     let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
         let served = match unsupported_coding(req.headers()) {
-            None => Ok(handler(req.map(RequestBody::from), peer.clone())),
+            None => Ok(handler.call(req.map(RequestBody::from), peer.clone())),
             Some(refused) => Err(refused),
         };
         async move {
@@ -181,6 +196,21 @@ fn unsupported_coding(headers: &HeaderMap) -> Option<Response<ProxyBody>> {
     )
 }
 
+/// What the handler answered: an `http::Response`, or an upstream's answer as bytes.
+enum Answer {
+    Response(Response<ProxyBody>),
+    Raw(RawAnswer),
+}
+
+impl Answer {
+    fn from_raw(outcome: RawOutcome) -> Answer {
+        match outcome {
+            Ok(raw) => Answer::Raw(raw),
+            Err(resp) => Answer::Response(resp),
+        }
+    }
+}
+
 /// How the plain loop ended.
 enum End {
     /// The connection is closed (or to be dropped).
@@ -206,7 +236,8 @@ struct Conn {
 struct Head {
     method: Method,
     uri: Uri,
-    headers: HeaderMap,
+    head: Bytes,
+    fields: Fields,
     body_len: usize,
     /// The client asked to close the connection after this request.
     close: bool,
@@ -225,15 +256,14 @@ enum Parsed {
 }
 
 impl Conn {
-    async fn serve_plain<H, F>(
+    async fn serve_plain<H>(
         &mut self,
         peer: &ClientAddr,
         shared: &Shared<H>,
         shutdown: &mut watch::Receiver<bool>,
     ) -> End
     where
-        H: Fn(Request<RequestBody>, ClientAddr) -> F + Clone + Send + Sync + 'static,
-        F: Future<Output = Response<ProxyBody>> + Send + 'static,
+        H: Handler,
     {
         // One timer and one shutdown watch for the connection's life, polled by every
         // wait: setting a timer and a watch up for each request cost about 1,000
@@ -247,7 +277,7 @@ impl Conn {
             // The head.
             let mut waited = false;
             let head = loop {
-                match parse(&mut self.buf, shared.max_head, &mut self.spare) {
+                match parse(&mut self.buf, shared.max_head) {
                     Parsed::Ready(head) => break head,
                     Parsed::HandOff => return End::HandOff,
                     Parsed::Partial => {}
@@ -294,21 +324,51 @@ impl Conn {
                     Ok(_) => {}
                 }
             }
-            let body = if ended {
-                RequestBody::cut(self.buf.split().freeze(), head.body_len as u64)
+            let (body, cut) = if ended {
+                (self.buf.split().freeze(), Some(head.body_len as u64))
             } else {
-                RequestBody::read(self.buf.split_to(head.body_len).freeze())
+                (self.buf.split_to(head.body_len).freeze(), None)
             };
             let is_head = head.method == Method::HEAD;
-            let mut req = Request::new(body);
-            *req.method_mut() = head.method;
-            *req.uri_mut() = head.uri;
-            *req.version_mut() = Version::HTTP_11;
-            *req.headers_mut() = head.headers;
-
-            // The answer. The client's connection is watched meanwhile: at its end the
-            // request is dropped (bytes of pipelined requests are kept for later).
-            let answer = (shared.handler)(req, peer.clone());
+            let req = RawRequest {
+                method: head.method,
+                uri: head.uri,
+                head: head.head,
+                fields: head.fields,
+                body,
+                cut,
+            };
+            // The answer: by the read-only lane when the handler takes the request as
+            // bytes, else as an `http::Request`. The client's connection is watched
+            // meanwhile: at its end the request is dropped (bytes of pipelined requests
+            // are kept for later).
+            let raw = match cut {
+                None => shared.handler.forward_raw(req, peer),
+                Some(_) => Err(req),
+            };
+            let answer = match raw {
+                Ok(raw) => Either::Left(raw.map(Answer::from_raw as fn(RawOutcome) -> Answer)),
+                Err(req) => match req.into_request(self.spare.take()) {
+                    Some(req) => Either::Right(
+                        shared
+                            .handler
+                            .call(req, peer.clone())
+                            .map(Answer::Response as fn(Response<ProxyBody>) -> Answer),
+                    ),
+                    None => {
+                        // Not reached: httparse admits exactly the bytes `http` does.
+                        let refused =
+                            Problem::new(Kind::BadRequest, "the request's head is not valid HTTP")
+                                .into_response();
+                        let mut close = true;
+                        let _ = self
+                            .respond(Answer::Response(refused), is_head, &mut close)
+                            .await;
+                        let _ = self.stream.shutdown().await;
+                        return End::Close;
+                    }
+                },
+            };
             tokio::pin!(answer);
             let resp = loop {
                 let watch = !ended && self.buf.len() < shared.max_head + MAX_BODY;
@@ -350,23 +410,39 @@ impl Conn {
 
     /// Write `resp`, framed for a request with method `HEAD` when `is_head`. `close` says
     /// whether the connection ends after it; an answer's own `Connection: close` sets it.
-    async fn respond(
-        &mut self,
-        resp: Response<ProxyBody>,
-        is_head: bool,
-        close: &mut bool,
-    ) -> io::Result<()> {
-        let (mut parts, mut body) = resp.into_parts();
+    async fn respond(&mut self, answer: Answer, is_head: bool, close: &mut bool) -> io::Result<()> {
         self.out.clear();
-        let framing = encode_head(&mut self.out, &parts, &body, is_head, close);
-        let mut spare = std::mem::take(&mut parts.headers);
-        spare.clear();
-        self.spare = Some(spare);
+        let (status, framing, mut body) = match answer {
+            Answer::Response(resp) => {
+                let (mut parts, body) = resp.into_parts();
+                let fields = parts
+                    .headers
+                    .iter()
+                    .map(|(n, v)| (n.as_str().as_bytes(), v.as_bytes()));
+                let framing =
+                    encode_head(&mut self.out, parts.status, fields, &body, is_head, close);
+                let mut spare = std::mem::take(&mut parts.headers);
+                spare.clear();
+                self.spare = Some(spare);
+                (parts.status, framing, body)
+            }
+            Answer::Raw(raw) => {
+                let framing = encode_head(
+                    &mut self.out,
+                    raw.status,
+                    raw.fields(),
+                    &raw.body,
+                    is_head,
+                    close,
+                );
+                (raw.status, framing, raw.body)
+            }
+        };
         let framing = match framing {
             Some(framing) => framing,
             None => {
                 // hyper's answer to a handler that returns a 1xx status.
-                tracing::warn!(status = %parts.status, "an answer with a 1xx status cannot be sent; answering 500");
+                tracing::warn!(%status, "an answer with a 1xx status cannot be sent; answering 500");
                 self.out.clear();
                 self.out.extend_from_slice(
                     b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 0\r\nconnection: close\r\n",
@@ -460,13 +536,8 @@ impl Conn {
     }
 }
 
-/// Room in a request's header map for the headers the proxy adds before forwarding it
-/// (`Host`, `X-Forwarded-*`), so that they do not make it grow.
-const ADDED_HEADERS: usize = 4;
-
 /// Take a request head off the front of `buf` if this loop serves it (see the module doc).
-/// Its headers go into `spare` when there is one.
-fn parse(buf: &mut BytesMut, max_head: usize, spare: &mut Option<HeaderMap>) -> Parsed {
+fn parse(buf: &mut BytesMut, max_head: usize) -> Parsed {
     let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
     let mut req = httparse::Request::new(&mut slots);
     let len = match req.parse(buf) {
@@ -498,14 +569,14 @@ fn parse(buf: &mut BytesMut, max_head: usize, spare: &mut Option<HeaderMap>) -> 
     let path_at = at(path.as_bytes());
     let mut body_len = None;
     let mut close = false;
-    let mut fields: SmallVec<[(HeaderName, std::ops::Range<usize>); 24]> = SmallVec::new();
+    let mut fields = Fields::new();
     for h in req.headers.iter() {
-        let Ok(name) = HeaderName::from_bytes(h.name.as_bytes()) else {
-            return Parsed::HandOff;
-        };
-        match name {
-            header::TRANSFER_ENCODING | header::UPGRADE | header::EXPECT => return Parsed::HandOff,
-            header::CONTENT_LENGTH => {
+        let name = h.name.as_bytes();
+        match name.len() {
+            6 if name.eq_ignore_ascii_case(b"expect") => return Parsed::HandOff,
+            7 if name.eq_ignore_ascii_case(b"upgrade") => return Parsed::HandOff,
+            17 if name.eq_ignore_ascii_case(b"transfer-encoding") => return Parsed::HandOff,
+            14 if name.eq_ignore_ascii_case(b"content-length") => {
                 let Some(n) = digits(h.value).filter(|n| *n <= MAX_BODY) else {
                     return Parsed::HandOff;
                 };
@@ -513,31 +584,21 @@ fn parse(buf: &mut BytesMut, max_head: usize, spare: &mut Option<HeaderMap>) -> 
                     return Parsed::HandOff;
                 }
             }
-            header::CONNECTION => close |= has_token(h.value, b"close"),
+            10 if name.eq_ignore_ascii_case(b"connection") => close |= has_token(h.value, b"close"),
             _ => {}
         }
-        fields.push((name, at(h.value)));
+        fields.push(Field::new(at(name), at(h.value)));
     }
     let head = buf.split_to(len).freeze();
     let Ok(uri) = Uri::from_maybe_shared(head.slice(path_at)) else {
         put_back(buf, head);
         return Parsed::HandOff;
     };
-    let mut headers = spare.take().unwrap_or_default();
-    headers.reserve(fields.len() + ADDED_HEADERS);
-    for (name, value_at) in fields {
-        // httparse admits in a value exactly the bytes `HeaderValue` does (HTAB, SP,
-        // visible ASCII, obs-text), so this does not fail; if it did, hyper would judge.
-        let Ok(value) = HeaderValue::from_maybe_shared(head.slice(value_at)) else {
-            put_back(buf, head);
-            return Parsed::HandOff;
-        };
-        headers.append(name, value);
-    }
     Parsed::Ready(Head {
         method,
         uri,
-        headers,
+        head,
+        fields,
         body_len: body_len.unwrap_or(0),
         close,
     })
@@ -571,14 +632,14 @@ enum Framing {
 
 /// Write the answer's head into `out`, as hyper's HTTP/1.1 server would for this request,
 /// and say how its body is framed. `None` for a 1xx status, which hyper refuses too.
-fn encode_head(
+fn encode_head<'f>(
     out: &mut Vec<u8>,
-    parts: &http::response::Parts,
+    status: StatusCode,
+    fields: impl Iterator<Item = (&'f [u8], &'f [u8])>,
     body: &ProxyBody,
     is_head: bool,
     close: &mut bool,
 ) -> Option<Framing> {
-    let status = parts.status;
     if status.is_informational() {
         return None;
     }
@@ -602,9 +663,9 @@ fn encode_head(
     let mut framing = None;
     let mut wrote_date = false;
     let mut wrote_close = false;
-    for (name, value) in &parts.headers {
-        match *name {
-            header::CONTENT_LENGTH => {
+    for (name, value) in fields {
+        match special(name) {
+            Special::ContentLength => {
                 if framing.is_some() {
                     continue;
                 }
@@ -615,14 +676,14 @@ fn encode_head(
                     }
                     Some(None) => {
                         // A body that does not know its length, under a header that does.
-                        if let Some(n) = digits(value.as_bytes()) {
-                            line(out, b"content-length", value.as_bytes());
+                        if let Some(n) = digits(value) {
+                            line(out, b"content-length", value);
                             framing = Some(Framing::Length(n as u64));
                         }
                     }
                     // No body: the header stands only in answer to `HEAD`.
                     None if is_head => {
-                        line(out, b"content-length", value.as_bytes());
+                        line(out, b"content-length", value);
                         framing = Some(Framing::Empty);
                     }
                     None => {}
@@ -630,15 +691,15 @@ fn encode_head(
                 continue;
             }
             // Framing is this writer's; the proxy strips both from answers anyway.
-            header::TRANSFER_ENCODING | header::TRAILER => continue,
-            header::CONNECTION if has_token(value.as_bytes(), b"close") => {
+            Special::Framing => continue,
+            Special::Connection if has_token(value, b"close") => {
                 *close = true;
                 wrote_close = true;
             }
-            header::DATE => wrote_date = true,
+            Special::Date => wrote_date = true,
             _ => {}
         }
-        line(out, name.as_str().as_bytes(), value.as_bytes());
+        line(out, name, value);
     }
     let framing = match (framing, length) {
         (Some(f), _) => f,
@@ -670,6 +731,28 @@ fn encode_head(
     }
     out.extend_from_slice(b"\r\n");
     Some(if no_body { Framing::Empty } else { framing })
+}
+
+/// The answer fields [`encode_head`] looks at.
+enum Special {
+    ContentLength,
+    /// `Transfer-Encoding` and `Trailer`: framing is the writer's own.
+    Framing,
+    Connection,
+    Date,
+    Other,
+}
+
+/// What a field named `name` (any case) is to [`encode_head`].
+fn special(name: &[u8]) -> Special {
+    match name.len() {
+        4 if name.eq_ignore_ascii_case(b"date") => Special::Date,
+        7 if name.eq_ignore_ascii_case(b"trailer") => Special::Framing,
+        10 if name.eq_ignore_ascii_case(b"connection") => Special::Connection,
+        14 if name.eq_ignore_ascii_case(b"content-length") => Special::ContentLength,
+        17 if name.eq_ignore_ascii_case(b"transfer-encoding") => Special::Framing,
+        _ => Special::Other,
+    }
 }
 
 fn line(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
@@ -763,7 +846,7 @@ mod tests {
 
     fn parsed(bytes: &[u8]) -> (Parsed, BytesMut) {
         let mut buf = BytesMut::from(bytes);
-        let p = parse(&mut buf, 8 * 1024, &mut None);
+        let p = parse(&mut buf, 8 * 1024);
         (p, buf)
     }
 
@@ -789,9 +872,20 @@ mod tests {
         assert_eq!(head.uri, "/a/b?c=d");
         assert_eq!(head.body_len, 5);
         assert!(!head.close);
-        assert_eq!(head.headers["host"], "x");
-        let twos: Vec<_> = head.headers.get_all("x-two").iter().collect();
-        assert_eq!(twos, ["1", "2"]);
+        let fields: Vec<_> = head
+            .fields
+            .iter()
+            .map(|f| (f.name(&head.head), f.value(&head.head)))
+            .collect();
+        assert_eq!(
+            fields,
+            [
+                (&b"Host"[..], &b"x"[..]),
+                (b"Content-Length", b"5"),
+                (b"X-Two", b"1"),
+                (b"x-two", b"2")
+            ]
+        );
         assert_eq!(&buf[..], b"helloGET /");
     }
 
@@ -855,7 +949,12 @@ mod tests {
         let (parts, body) = resp.into_parts();
         let mut out = Vec::new();
         let mut close = close;
-        let framing = encode_head(&mut out, &parts, &body, is_head, &mut close).expect("encodes");
+        let fields = parts
+            .headers
+            .iter()
+            .map(|(n, v)| (n.as_str().as_bytes(), v.as_bytes()));
+        let framing = encode_head(&mut out, parts.status, fields, &body, is_head, &mut close)
+            .expect("encodes");
         let text = String::from_utf8(out).expect("ASCII");
         // The date varies; check it is there and drop it.
         let (before, after) = text.split_once("date: ").expect("a date header");
@@ -868,8 +967,8 @@ mod tests {
         *resp.status_mut() = StatusCode::from_u16(status).expect("status");
         for (k, v) in headers {
             resp.headers_mut().append(
-                HeaderName::from_bytes(k.as_bytes()).expect("name"),
-                HeaderValue::from_str(v).expect("value"),
+                http::HeaderName::from_bytes(k.as_bytes()).expect("name"),
+                http::HeaderValue::from_str(v).expect("value"),
             );
         }
         resp
@@ -952,9 +1051,18 @@ mod tests {
 
     #[test]
     fn refuses_1xx_answers() {
-        let (parts, body) = with(103, &[], body::empty()).into_parts();
         let mut close = false;
-        assert!(encode_head(&mut Vec::new(), &parts, &body, false, &mut close).is_none());
+        let fields = std::iter::empty();
+        let early = StatusCode::EARLY_HINTS;
+        assert!(encode_head(
+            &mut Vec::new(),
+            early,
+            fields,
+            &body::empty(),
+            false,
+            &mut close
+        )
+        .is_none());
     }
 
     #[test]

@@ -49,6 +49,7 @@ use tokio::net::TcpStream;
 
 use super::body::{BoxError, ProxyBody};
 use super::client::SendError;
+use super::raw::{Field, Fields};
 
 /// The largest request body this client reads whole and sends with its head.
 pub const MAX_BUFFERED_BODY: u64 = 64 * 1024;
@@ -116,33 +117,87 @@ impl Pool {
                 io::Error::new(io::ErrorKind::InvalidInput, parts.uri.to_string()),
             ));
         };
-        let resend_safe = matches!(parts.method, Method::GET | Method::HEAD | Method::OPTIONS);
-        let mut body = Some(body);
-        let mut message = Vec::new();
+        let message = Message::Pending(&parts, Some(body));
+        let (head, conn) = self.exchange(&authority, &parts.method, message).await?;
+        let resp = head.parts().map_err(|why| {
+            SendError::after(
+                "the upstream's answer is not valid HTTP/1.1",
+                io::Error::new(io::ErrorKind::InvalidData, why),
+            )
+        })?;
+        let body = head.body(conn, self, authority);
+        Ok(Response::from_parts(resp, body))
+    }
+
+    /// Send `message` (a request's head and body, as [`crate::proxy::downstream`] wrote
+    /// them for the read-only lane, [`super::raw`]) to `authority`, and read the answer's
+    /// head, kept as bytes.
+    pub async fn send_raw(
+        self: &Arc<Self>,
+        authority: &Authority,
+        method: &Method,
+        message: &[u8],
+    ) -> Result<(RawHead, RawBody), SendError> {
+        let (head, conn) = self
+            .exchange(authority, method, Message::Ready(message))
+            .await?;
+        let body = head.body(conn, self, authority.clone());
+        let Head {
+            status,
+            bytes,
+            fields,
+            ..
+        } = head;
+        Ok((
+            RawHead {
+                status,
+                bytes,
+                fields,
+            },
+            body,
+        ))
+    }
+
+    /// Write a request on a kept connection (or a new one) and read its answer's head.
+    async fn exchange(
+        self: &Arc<Self>,
+        authority: &Authority,
+        method: &Method,
+        mut message: Message<'_>,
+    ) -> Result<(Head, Conn), SendError> {
+        let resend_safe = matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS);
+        let mut encoded = Vec::new();
         loop {
-            let (mut conn, kept) = match self.checkout(&authority) {
+            let (mut conn, kept) = match self.checkout(authority) {
                 Some(c) => (c, true),
                 // Boxed: once per connection, and it would make every request's future
                 // larger by its size.
-                None => (Box::pin(self.connect(&authority)).await?, false),
+                None => (Box::pin(self.connect(authority)).await?, false),
             };
             // The body is read once there is a connection to write it to, so that its end
             // (which the `in_flight` failpoint watches for) means the request is going out.
-            if let Some(body) = body.take() {
-                // An empty body is not polled: its end would read as the request going out.
-                let body = if body.is_end_stream() {
-                    Bytes::new()
-                } else {
-                    // [`fits`] took only bodies of a known size within the limit.
-                    super::body::read_all(body, MAX_BUFFERED_BODY as usize)
-                        .await
-                        .map_err(|e| {
-                            SendError::before("reading the request body failed", e.into_boxed())
-                        })?
-                };
-                message = encode(&parts, &authority, &body);
+            if let Message::Pending(parts, body) = &mut message {
+                if let Some(body) = body.take() {
+                    // An empty body is not polled: its end would read as the request going
+                    // out.
+                    let body = if body.is_end_stream() {
+                        Bytes::new()
+                    } else {
+                        // [`fits`] took only bodies of a known size within the limit.
+                        super::body::read_all(body, MAX_BUFFERED_BODY as usize)
+                            .await
+                            .map_err(|e| {
+                                SendError::before("reading the request body failed", e.into_boxed())
+                            })?
+                    };
+                    encoded = encode(parts, authority, &body);
+                }
             }
-            match conn.write_all_counted(&message).await {
+            let bytes = match &message {
+                Message::Ready(bytes) => bytes,
+                Message::Pending(..) => &encoded[..],
+            };
+            match conn.write_all_counted(bytes).await {
                 Ok(()) => {}
                 // Nothing of the request went out: another connection may take it.
                 Err((0, _)) if kept => continue,
@@ -154,8 +209,8 @@ impl Pool {
                     ))
                 }
             }
-            match conn.read_head(&parts.method).await {
-                Ok(head) => return Ok(head.into_response(conn, self, authority)),
+            match conn.read_head(method).await {
+                Ok(head) => return Ok((head, conn)),
                 Err(HeadError::ClosedBeforeAnswer(_)) if kept && resend_safe => continue,
                 Err(HeadError::ClosedBeforeAnswer(e)) => {
                     return Err(SendError::after(
@@ -281,11 +336,31 @@ enum Framing {
     UntilClose,
 }
 
+/// What [`Pool::exchange`] writes.
+enum Message<'a> {
+    /// Head and body, ready.
+    Ready(&'a [u8]),
+    /// A request whose body is read, and the message written, once a connection is there.
+    Pending(&'a http::request::Parts, Option<ProxyBody>),
+}
+
 /// A parsed response head.
 struct Head {
-    parts: http::response::Parts,
+    status: StatusCode,
+    version: Version,
+    /// The head's bytes, status line included.
+    bytes: Bytes,
+    /// Every field, but a `Content-Length` beside a `Transfer-Encoding` (which wins).
+    fields: Fields,
     framing: Framing,
     keep_alive: bool,
+}
+
+/// An answer's head as bytes, for the read-only lane ([`Pool::send_raw`]).
+pub struct RawHead {
+    pub status: StatusCode,
+    pub bytes: Bytes,
+    pub fields: Fields,
 }
 
 impl Conn {
@@ -391,19 +466,15 @@ impl Conn {
             .ok()
             .filter(|s| *s != StatusCode::SWITCHING_PROTOCOLS)
             .ok_or_else(|| HeadError::Invalid(format!("unexpected status {code}")))?;
-        let head = self.buf.split_to(len).freeze();
-        let mut headers = HeaderMap::with_capacity(spans.len());
+        let bytes = self.buf.split_to(len).freeze();
         let mut length: Option<u64> = None;
         let mut transfer_encoding: Option<bool> = None;
         let (mut close, mut keep) = (false, false);
+        let mut fields = Fields::with_capacity(spans.len());
         for &(ns, ne, vs, ve) in &spans {
-            let name = HeaderName::from_bytes(&head[ns..ne])
-                .map_err(|_| HeadError::Invalid("bad header name".into()))?;
-            let value = HeaderValue::from_maybe_shared(head.slice(vs..ve))
-                .map_err(|_| HeadError::Invalid(format!("bad value for header {name}")))?;
-            if name == header::CONTENT_LENGTH {
-                let n = value
-                    .to_str()
+            let (name, value) = (&bytes[ns..ne], &bytes[vs..ve]);
+            if is_content_length(name) {
+                let n = std::str::from_utf8(value)
                     .ok()
                     .and_then(|v| v.trim().parse::<u64>().ok())
                     .ok_or_else(|| HeadError::Invalid("bad content-length".into()))?;
@@ -411,20 +482,16 @@ impl Conn {
                     return Err(HeadError::Invalid("content-length values disagree".into()));
                 }
                 length = Some(n);
-            } else if name == header::TRANSFER_ENCODING {
-                let last = value
-                    .as_bytes()
-                    .rsplit(|b| *b == b',')
-                    .next()
-                    .unwrap_or(b"");
+            } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
+                let last = value.rsplit(|b| *b == b',').next().unwrap_or(b"");
                 transfer_encoding = Some(last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
-            } else if name == header::CONNECTION {
-                for token in super::headers::tokens(value.as_bytes()) {
+            } else if name.eq_ignore_ascii_case(b"connection") {
+                for token in super::headers::tokens(value) {
                     close |= token.eq_ignore_ascii_case(b"close");
                     keep |= token.eq_ignore_ascii_case(b"keep-alive");
                 }
             }
-            headers.append(name, value);
+            fields.push(Field::new(ns..ne, vs..ve));
         }
         let mut keep_alive = !close && (version == Version::HTTP_11 || keep);
         let framing = if *method == Method::HEAD
@@ -435,7 +502,7 @@ impl Conn {
         } else if let Some(chunked) = transfer_encoding {
             if length.is_some() {
                 // Both: the transfer coding wins, and the connection is not trusted again.
-                headers.remove(header::CONTENT_LENGTH);
+                fields.retain(|f| !is_content_length(f.name(&bytes)));
                 keep_alive = false;
             }
             if chunked {
@@ -450,16 +517,19 @@ impl Conn {
             keep_alive = false;
             Framing::UntilClose
         };
-        let mut parts = Response::new(()).into_parts().0;
-        parts.status = status;
-        parts.version = version;
-        parts.headers = headers;
         Ok(Some(Some(Head {
-            parts,
+            status,
+            version,
+            bytes,
+            fields,
             framing,
             keep_alive,
         })))
     }
+}
+
+fn is_content_length(name: &[u8]) -> bool {
+    name.eq_ignore_ascii_case(b"content-length")
 }
 
 fn is_closed(e: &io::Error) -> bool {
@@ -472,12 +542,26 @@ fn is_closed(e: &io::Error) -> bool {
 }
 
 impl Head {
-    fn into_response(
-        self,
-        conn: Conn,
-        pool: &Arc<Pool>,
-        authority: Authority,
-    ) -> Response<RawBody> {
+    /// The head as `http` parts; an error names a field `http` does not take (httparse,
+    /// which read it, admits the same bytes, so this is not expected).
+    fn parts(&self) -> Result<http::response::Parts, String> {
+        let mut headers = HeaderMap::with_capacity(self.fields.len());
+        for f in &self.fields {
+            let name = HeaderName::from_bytes(f.name(&self.bytes))
+                .map_err(|_| "bad header name".to_string())?;
+            let value = HeaderValue::from_maybe_shared(self.bytes.slice_ref(f.value(&self.bytes)))
+                .map_err(|_| format!("bad value for header {name}"))?;
+            headers.append(name, value);
+        }
+        let mut parts = Response::new(()).into_parts().0;
+        parts.status = self.status;
+        parts.version = self.version;
+        parts.headers = headers;
+        Ok(parts)
+    }
+
+    /// The body that follows this head on `conn`.
+    fn body(&self, conn: Conn, pool: &Arc<Pool>, authority: Authority) -> RawBody {
         let state = match self.framing {
             Framing::Empty | Framing::Length(0) => State::Done,
             Framing::Length(n) => State::Length(n),
@@ -492,7 +576,7 @@ impl Head {
             ready: None,
         };
         body.settle();
-        Response::from_parts(self.parts, body)
+        body
     }
 }
 

@@ -50,7 +50,7 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap) {
                 // Tokens that name a hop-by-hop header (`keep-alive`, `upgrade`) or are
                 // `close` are skipped before a name is made of them: a name not known to
                 // `http` is an allocation.
-                if token.eq_ignore_ascii_case(b"close") || names_hop_by_hop(token) {
+                if token.eq_ignore_ascii_case(b"close") || is_hop_by_hop_name(token) {
                     continue;
                 }
                 if let Ok(name) = HeaderName::from_bytes(token) {
@@ -81,28 +81,51 @@ pub fn has_token(value: &[u8], token: &[u8]) -> bool {
     tokens(value).any(|t| t.eq_ignore_ascii_case(token))
 }
 
-/// Whether `name` is one of [`HOP_BY_HOP`]. Names are lower case, and most have a length
-/// no hop-by-hop name has, so most headers cost one comparison of lengths (a scan of the
-/// list compared a dozen strings per header on every request and response).
+/// Whether `name` is one of [`HOP_BY_HOP`].
 pub fn is_hop_by_hop(name: &HeaderName) -> bool {
-    let s = name.as_str();
-    match s.len() {
-        2 => s == "te",
-        7 => s == "trailer" || s == "upgrade",
-        10 => s == "connection" || s == "keep-alive",
-        16 => s == "proxy-connection",
-        17 => s == "transfer-encoding",
-        18 => s == "proxy-authenticate",
-        19 => s == "proxy-authorization",
+    is_hop_by_hop_name(name.as_str().as_bytes())
+}
+
+/// [`is_hop_by_hop`] for a name as bytes, in any case (a field as it came on the wire, a
+/// token of a `Connection` header). Most names have a length no hop-by-hop name has, so
+/// most cost one comparison of lengths (a scan of the list compared a dozen strings per
+/// header on every request and response).
+pub fn is_hop_by_hop_name(name: &[u8]) -> bool {
+    let is = |n: &str| name.eq_ignore_ascii_case(n.as_bytes());
+    match name.len() {
+        2 => is(HOP_BY_HOP[5]),
+        7 => is(HOP_BY_HOP[6]) || is(HOP_BY_HOP[8]),
+        10 => is(HOP_BY_HOP[0]) || is(HOP_BY_HOP[1]),
+        16 => is(HOP_BY_HOP[2]),
+        17 => is(HOP_BY_HOP[7]),
+        18 => is(HOP_BY_HOP[3]),
+        19 => is(HOP_BY_HOP[4]),
         _ => false,
     }
 }
 
-/// [`is_hop_by_hop`] for a header name as written in a `Connection` header (any case).
-fn names_hop_by_hop(token: &[u8]) -> bool {
-    HOP_BY_HOP
-        .iter()
-        .any(|n| n.as_bytes().eq_ignore_ascii_case(token))
+/// The header names the `Connection` fields among `fields` add to the hop-by-hop ones
+/// (not `close`, not a name that is hop-by-hop anyway): [`strip_hop_by_hop`] for fields as
+/// bytes.
+pub fn connection_named<'h>(
+    fields: impl Iterator<Item = (&'h [u8], &'h [u8])>,
+) -> SmallVec<[&'h [u8]; 2]> {
+    let mut named = SmallVec::new();
+    for (name, value) in fields {
+        if name.eq_ignore_ascii_case(b"connection") {
+            named.extend(
+                tokens(value)
+                    .filter(|t| !t.eq_ignore_ascii_case(b"close") && !is_hop_by_hop_name(t)),
+            );
+        }
+    }
+    named
+}
+
+/// Whether a field named `name` goes no further than this hop: hop-by-hop, or named by a
+/// `Connection` field (`named`, from [`connection_named`]).
+pub fn ends_here(name: &[u8], named: &[&[u8]]) -> bool {
+    is_hop_by_hop_name(name) || named.iter().any(|n| n.eq_ignore_ascii_case(name))
 }
 
 /// A client connection's address, with the text `X-Forwarded-For` gets made once per
@@ -119,6 +142,11 @@ impl ClientAddr {
         let text = HeaderValue::from_str(&addr.ip().to_string())
             .unwrap_or_else(|_| HeaderValue::from_static("unknown"));
         ClientAddr { addr, text }
+    }
+
+    /// The address as `X-Forwarded-For` carries it.
+    pub fn text(&self) -> &[u8] {
+        self.text.as_bytes()
     }
 }
 
@@ -229,11 +257,11 @@ mod tests {
     fn the_name_match_and_the_list_agree() {
         for n in HOP_BY_HOP {
             assert!(is_hop_by_hop(&HeaderName::from_static(n)), "{n}");
-            assert!(names_hop_by_hop(n.to_ascii_uppercase().as_bytes()), "{n}");
+            assert!(is_hop_by_hop_name(n.to_ascii_uppercase().as_bytes()), "{n}");
         }
         for n in ["x-keep", "content-type", "host", "tee"] {
             assert!(!is_hop_by_hop(&HeaderName::from_static(n)), "{n}");
-            assert!(!names_hop_by_hop(n.as_bytes()), "{n}");
+            assert!(!is_hop_by_hop_name(n.as_bytes()), "{n}");
         }
     }
 

@@ -7,4 +7,5 @@ pub mod fast;
 pub mod h1;
 pub mod headers;
 pub mod problem;
+pub mod raw;
 pub mod server;

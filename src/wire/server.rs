@@ -28,7 +28,7 @@ use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot, watch};
 
-use super::body::{ProxyBody, RequestBody};
+use super::body::ProxyBody;
 use super::fast;
 use super::headers::ClientAddr;
 
@@ -205,7 +205,7 @@ fn spawn_connection<H, F>(
 /// for at most `grace`. `make_handler` is called once per worker thread, so each can hold
 /// state of its own. `on_hand_off` is called for every connection served by hyper rather
 /// than the fast path.
-pub async fn serve_on_workers<M, H, F>(
+pub async fn serve_on_workers<M, H>(
     listener: TcpListener,
     make_handler: M,
     mut shutdown: watch::Receiver<bool>,
@@ -213,8 +213,7 @@ pub async fn serve_on_workers<M, H, F>(
     on_hand_off: fast::HandOffHook,
 ) where
     M: Fn() -> H,
-    H: Fn(Request<RequestBody>, ClientAddr) -> F + Clone + Send + Sync + 'static,
-    F: Future<Output = Response<ProxyBody>> + Send + 'static,
+    H: fast::Handler,
 {
     let mut queues = Vec::new();
     let mut finished = Vec::new();
@@ -293,15 +292,14 @@ pub async fn serve_on_workers<M, H, F>(
 }
 
 /// One worker thread: serves the connections it is handed until shutdown, then drains.
-fn worker<H, F>(
+fn worker<H>(
     mut conns: mpsc::UnboundedReceiver<(std::net::TcpStream, SocketAddr)>,
     handler: H,
     mut shutdown: watch::Receiver<bool>,
     options: Options,
     on_hand_off: fast::HandOffHook,
 ) where
-    H: Fn(Request<RequestBody>, ClientAddr) -> F + Clone + Send + Sync + 'static,
-    F: Future<Output = Response<ProxyBody>> + Send + 'static,
+    H: fast::Handler,
 {
     let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
