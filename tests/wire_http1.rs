@@ -1212,3 +1212,46 @@ fn idle_keep_alive_connection_is_still_served() {
     assert_eq!(echoed(&a).0, "/echo/first-after-idle");
     assert_eq!(s.ds.hits(), 3);
 }
+
+// ---------------------------------------------------------------------------------------
+// The read-only lane (src/wire/raw.rs): a plain request to a read-only route is forwarded
+// as bytes. What the downstream sees is what the map path sent (the unit test
+// `proxy::downstream::tests::the_read_only_lane_forwards_what_the_map_path_forwards`
+// compares the two); this checks it end to end.
+
+#[test]
+fn read_only_lane_forwards_end_to_end_headers_only() {
+    let s = setup();
+    let mut w = Wire::open(s.proxy.addr);
+    let a = w.exchange(
+        b"POST /ro/echo/lane?q=1 HTTP/1.1\r\nHost: front:8080\r\nConnection: keep-alive, X-Hop\r\nX-Hop: secret\r\nKeep-Alive: timeout=5\r\nProxy-Authorization: Basic eA==\r\nIdempotency-Key: client-key\r\nX-Forwarded-For: 192.0.2.7\r\nX-Forwarded-Proto: https\r\nX-Custom: One\r\nx-custom: two\r\nContent-Length: 5\r\n\r\nhello",
+    );
+    assert_eq!(echoed(&a), ("/echo/lane".to_string(), "hello".to_string()));
+    for gone in [
+        "x-hop",
+        "keep-alive",
+        "proxy-authorization",
+        "idempotency-key",
+        "connection",
+    ] {
+        assert_eq!(
+            echoed_header(&a, gone),
+            None,
+            "{gone} reached the downstream"
+        );
+    }
+    let seen = |name| echoed_header(&a, name).unwrap_or_default();
+    assert_eq!(seen("x-custom"), ["One", "two"]);
+    assert_eq!(seen("x-forwarded-for"), ["192.0.2.7, 127.0.0.1"]);
+    assert_eq!(seen("x-forwarded-proto"), ["http"]);
+    assert_eq!(seen("x-forwarded-host"), ["front:8080"]);
+    assert_eq!(seen("host"), [s.ds.addr().to_string()]);
+    assert_eq!(seen("content-length"), ["5"]);
+    assert_eq!(a.json()["query"], "q=1");
+    // The answer is framed by the proxy, hop-by-hop fields of the downstream's dropped.
+    assert_eq!(a.framing, Framing::Length(a.body.len()));
+    assert_eq!(a.header("connection"), None);
+    assert!(a.header("date").is_some());
+    assert_eq!(s.ds.hits(), 1);
+    w.assert_open();
+}

@@ -166,3 +166,180 @@ pub fn response_headers(h: &mut HeaderMap) {
 pub fn header_value(s: &str) -> HeaderValue {
     HeaderValue::from_str(s).unwrap_or_else(|_| HeaderValue::from_static("invalid"))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::from_yaml;
+    use crate::policy::classify::Classified;
+    use crate::wire::raw;
+    use std::path::Path;
+
+    const YAML: &str = r#"
+identity: { key_header: Idempotency-Key }
+upstreams:
+  - name: api
+    url: http://127.0.0.1:9001/v2
+    mount: /api
+    routes:
+      - { name: search, match: { method: POST, path: /search }, class: read_only }
+      - { name: get, match: { method: GET, path: "/items/{id}" }, class: read_only }
+"#;
+
+    /// A message's request line and its fields as (lower-case name, value), sorted: what
+    /// an upstream makes of it whatever the order of names.
+    fn fields_of(message: &[u8]) -> (String, Vec<(String, String)>, Vec<u8>) {
+        let mut slots = [httparse::EMPTY_HEADER; 64];
+        let mut req = httparse::Request::new(&mut slots);
+        let len = match req.parse(message).expect("a valid message") {
+            httparse::Status::Complete(len) => len,
+            httparse::Status::Partial => panic!("a partial message"),
+        };
+        let line = format!(
+            "{} {}",
+            req.method.expect("method"),
+            req.path.expect("path")
+        );
+        let mut fields: Vec<_> = req
+            .headers
+            .iter()
+            .map(|h| {
+                (
+                    h.name.to_ascii_lowercase(),
+                    String::from_utf8(h.value.to_vec()).expect("text"),
+                )
+            })
+            .collect();
+        // Values of one name keep their order: sort by name only (stable).
+        fields.sort_by(|a, b| a.0.cmp(&b.0));
+        (line, fields, message[len..].to_vec())
+    }
+
+    /// The upstream request the map path makes of `head` (target URI, headers, and the
+    /// h1 client's framing), as (line, sorted fields, body).
+    fn by_map(
+        cfg: &crate::config::Config,
+        target: &Target<'_>,
+        req: RawRequest,
+        peer: &ClientAddr,
+    ) -> (String, Vec<(String, String)>, Vec<u8>) {
+        let body = req.body.clone();
+        let req = req.into_request(None).expect("valid");
+        let uri = target_uri(target, req.uri().query()).expect("uri");
+        let method = req.method().clone();
+        let h = into_request_headers(
+            req.into_parts().0.headers,
+            target.upstream,
+            peer,
+            &[&cfg.identity.key_header],
+        );
+        let mut fields: Vec<(String, String)> = h
+            .iter()
+            .filter(|(n, _)| {
+                // The h1 client writes its own framing and no `Connection`.
+                !matches!(
+                    n.as_str(),
+                    "content-length" | "transfer-encoding" | "connection"
+                )
+            })
+            .map(|(n, v)| (n.to_string(), v.to_str().expect("text").to_string()))
+            .collect();
+        if !body.is_empty() || matches!(method, Method::POST | Method::PUT | Method::PATCH) {
+            fields.push(("content-length".into(), body.len().to_string()));
+        }
+        fields.sort_by(|a, b| a.0.cmp(&b.0));
+        let line = format!("{method} {}", uri.path_and_query().expect("path"));
+        (line, fields, body.to_vec())
+    }
+
+    #[test]
+    fn the_read_only_lane_forwards_what_the_map_path_forwards() {
+        let cfg = from_yaml(YAML, Path::new("t.yaml")).expect("valid");
+        let peer = ClientAddr::new("10.1.2.3:5555".parse().expect("addr"));
+        let cases: [(&'static [u8], &'static [u8]); 9] = [
+            (b"GET /api/items/7?x=1&y=%20 HTTP/1.1\r\nHost: proxy:8080\r\n\r\n", b""),
+            (
+                b"POST /api/search HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\nContent-Length: 7\r\nIdempotency-Key: k1\r\n\r\n",
+                b"{\"a\":1}",
+            ),
+            // Hop-by-hop fields, and one a `Connection` field names, stop here.
+            (
+                b"GET /api/items/1 HTTP/1.1\r\nHost: p\r\nConnection: keep-alive, X-Secret, close\r\nX-Secret: s\r\nx-secret: t\r\nKeep-Alive: timeout=5\r\nTE: trailers\r\nProxy-Authorization: Basic x\r\nProxy-Connection: keep-alive\r\nTrailer: x\r\nX-Keep: 1\r\n\r\n",
+                b"",
+            ),
+            // An `X-Forwarded-For` is extended (its first value; the map keeps one).
+            (
+                b"GET /api/items/1 HTTP/1.1\r\nHost: p\r\nX-Forwarded-For: 192.0.2.1\r\nX-Forwarded-For: 192.0.2.2\r\n\r\n",
+                b"",
+            ),
+            (b"GET /api/items/1 HTTP/1.1\r\nHost: p\r\nX-Forwarded-For: \r\n\r\n", b""),
+            // The client's `X-Forwarded-Host` and `-Proto` are replaced...
+            (
+                b"GET /api/items/1 HTTP/1.1\r\nHost: p\r\nX-Forwarded-Host: evil\r\nX-Forwarded-Proto: https\r\n\r\n",
+                b"",
+            ),
+            // ...but `X-Forwarded-Host` stays when there is no `Host` to put there.
+            (b"GET /api/items/1 HTTP/1.1\r\nX-Forwarded-Host: front\r\n\r\n", b""),
+            // Two `Host`s: the first is the original host.
+            (b"GET /api/items/1 HTTP/1.1\r\nHost: a\r\nHOST: b\r\nAccept: */*\r\nAccept: x/y\r\n\r\n", b""),
+            // A `POST` without a body still says so.
+            (b"POST /api/search HTTP/1.1\r\nHost: p\r\nContent-Length: 0\r\n\r\n", b""),
+        ];
+        for (head, body) in cases {
+            let req = raw::request(head, body);
+            let target = match cfg.routes.classify(
+                &cfg.upstreams,
+                cfg.unmatched,
+                &req.method,
+                req.uri.path(),
+            ) {
+                Classified::Matched(t) => t,
+                other => panic!("{other:?}"),
+            };
+            let message = encode_raw(&target, &req, &peer, &cfg.identity.key_header);
+            let expected = by_map(&cfg, &target, raw::request(head, body), &peer);
+            assert_eq!(
+                fields_of(&message),
+                expected,
+                "{}",
+                String::from_utf8_lossy(head)
+            );
+        }
+    }
+
+    #[test]
+    fn answers_lose_hop_by_hop_fields_as_the_map_path_does() {
+        let head: &[u8] = b"HTTP/1.1 200 OK\r\nConnection: keep-alive, X-Hop\r\nX-Hop: 1\r\nKeep-Alive: timeout=5\r\nTransfer-Encoding: chunked\r\nContent-Type: text/plain\r\nDate: x\r\nX-End: 2\r\n\r\n";
+        let mut slots = [httparse::EMPTY_HEADER; 16];
+        let mut resp = httparse::Response::new(&mut slots);
+        assert!(resp.parse(head).expect("valid").is_complete());
+        let base = head.as_ptr() as usize;
+        let at = |s: &[u8]| {
+            let start = s.as_ptr() as usize - base;
+            start..start + s.len()
+        };
+        let mut fields: Fields = resp
+            .headers
+            .iter()
+            .map(|h| raw::Field::new(at(h.name.as_bytes()), at(h.value)))
+            .collect();
+        let mut map = HeaderMap::new();
+        for f in &fields {
+            map.append(
+                HeaderName::from_bytes(f.name(head)).expect("name"),
+                HeaderValue::from_bytes(f.value(head)).expect("value"),
+            );
+        }
+        retain_end_to_end(head, &mut fields);
+        response_headers(&mut map);
+        let kept: Vec<String> = fields
+            .iter()
+            .map(|f| String::from_utf8_lossy(f.name(head)).to_ascii_lowercase())
+            .collect();
+        // The map's order after removals is its own; what is kept is the same.
+        let mut by_map: Vec<String> = map.keys().map(|k| k.to_string()).collect();
+        by_map.sort();
+        assert_eq!(kept, ["content-type", "date", "x-end"]);
+        assert_eq!(kept, by_map);
+    }
+}
