@@ -46,6 +46,16 @@ pub struct Target<'a> {
 }
 
 impl<'a> Target<'a> {
+    /// [`Target::to_owned_ref`], moving the path and parameters instead of copying them.
+    pub fn into_owned(self) -> OwnedTarget {
+        OwnedTarget {
+            upstream_index: self.upstream_index,
+            route_ref: self.route_ref,
+            rel_path: self.rel_path,
+            params: self.params,
+        }
+    }
+
     /// An owned handle, for work that must outlive the request's borrow of the config.
     pub fn to_owned_ref(&self) -> OwnedTarget {
         OwnedTarget {
@@ -82,14 +92,19 @@ impl RouteRef {
 impl OwnedTarget {
     /// Borrow the target again from the same config it was classified against.
     pub fn bind<'a>(&self, upstreams: &'a [Upstream]) -> Target<'a> {
+        self.clone().into_bound(upstreams)
+    }
+
+    /// [`OwnedTarget::bind`], moving the path and parameters instead of copying them.
+    pub fn into_bound(self, upstreams: &[Upstream]) -> Target<'_> {
         let (upstream, route) = self.route_ref.resolve(upstreams, self.upstream_index);
         Target {
             upstream_index: self.upstream_index,
             upstream,
             route_ref: self.route_ref,
             route,
-            rel_path: self.rel_path.clone(),
-            params: self.params.clone(),
+            rel_path: self.rel_path,
+            params: self.params,
         }
     }
 }

@@ -26,6 +26,8 @@ use crate::wire::client::{self, HttpClient};
 use crate::wire::headers::ClientAddr;
 use crate::wire::problem::{Kind, Problem};
 use crate::wire::raw::{RawOutcome, RawRequest};
+use futures_util::future::Either;
+use http::HeaderMap;
 
 /// What a config reload swaps as one unit: the validated config and its clients.
 pub struct Runtime {
@@ -161,35 +163,28 @@ impl Proxy {
             req.method(),
             req.uri().path(),
         ) {
-            Classified::NoUpstream => Problem::new(
-                Kind::NoRoute,
-                format!("no upstream is mounted at {}", req.uri().path()),
-            )
-            .into_response(),
-            Classified::Unmatched { upstream } => Problem::new(
-                Kind::RouteUnmatched,
-                format!(
-                    "no route of upstream `{}` matches {} {} and `unmatched: reject` is set",
-                    upstream.name,
-                    req.method(),
-                    req.uri().path()
-                ),
-            )
-            .into_response(),
-            Classified::Matched(target) => {
-                let client = &rt.clients[target.upstream_index];
-                match target.route.class {
-                    Class::ReadOnly => {
-                        passthrough::forward(&rt, client, &target, req, &peer, true).await
-                    }
-                    // Admission (key, body, replay from memory) and what follows are
-                    // each smaller than the pass-through's future, and a request's future
-                    // is as large as its largest branch, so neither needs a box of its own.
-                    Class::SideEffect => {
-                        let admitted = side_effect::admit(self, &rt, &target, req).await;
-                        self.side_effect(&rt, client, target, admitted, peer).await
-                    }
-                }
+            Classified::Matched(target) => self.dispatch(&rt, target, req, peer).await,
+            other => unrouted(&other, req.method(), req.uri().path()),
+        }
+    }
+
+    /// A request whose route is known.
+    async fn dispatch(
+        self: &Arc<Self>,
+        rt: &Arc<Runtime>,
+        target: Target<'_>,
+        req: Request<RequestBody>,
+        peer: ClientAddr,
+    ) -> Response<ProxyBody> {
+        let client = &rt.clients[target.upstream_index];
+        match target.route.class {
+            Class::ReadOnly => passthrough::forward(rt, client, &target, req, &peer, true).await,
+            // Admission (key, body, replay from memory) and what follows are each smaller
+            // than the pass-through's future, and a request's future is as large as its
+            // largest branch, so neither needs a box of its own.
+            Class::SideEffect => {
+                let admitted = side_effect::admit(self, rt, &target, req).await;
+                self.side_effect(rt, client, target, admitted, peer).await
             }
         }
     }
@@ -250,6 +245,21 @@ impl Proxy {
             }
         }
     }
+}
+
+/// The answer to a request no route takes: `404 no-route` or `404 route-unmatched`.
+fn unrouted(classified: &Classified<'_>, method: &http::Method, path: &str) -> Response<ProxyBody> {
+    match classified {
+        Classified::Unmatched { upstream } => Problem::new(
+            Kind::RouteUnmatched,
+            format!(
+                "no route of upstream `{}` matches {method} {path} and `unmatched: reject` is set",
+                upstream.name,
+            ),
+        ),
+        _ => Problem::new(Kind::NoRoute, format!("no upstream is mounted at {path}")),
+    }
+    .into_response()
 }
 
 /// One server worker thread's handle on the proxy: the current config with this thread's
@@ -314,19 +324,48 @@ impl crate::wire::fast::Handler for Arc<Worker> {
         Box::pin(self.clone().handle(req, peer))
     }
 
-    #[allow(clippy::result_large_err)]
-    fn forward_raw(&self, req: RawRequest, peer: &ClientAddr) -> Result<Self::Raw, RawRequest> {
+    fn serve(
+        &self,
+        req: RawRequest,
+        spare: Option<HeaderMap>,
+        peer: &ClientAddr,
+    ) -> Either<Self::Raw, Self::Answer> {
+        // Classified once, here: the route decides the lane, and the usual way goes on
+        // with the same target.
         let rt = self.runtime();
         let cfg = &rt.config;
-        let classified =
-            cfg.routes
-                .classify(&cfg.upstreams, cfg.unmatched, &req.method, req.uri.path());
-        match classified {
-            Classified::Matched(target) if passthrough::takes_raw(&target) => Ok(Box::pin(
-                passthrough::forward_raw(rt.clone(), &target, req, peer),
-            )),
-            _ => Err(req),
+        let target =
+            match cfg
+                .routes
+                .classify(&cfg.upstreams, cfg.unmatched, &req.method, req.uri.path())
+            {
+                Classified::Matched(target) => target,
+                other => {
+                    let answer = unrouted(&other, &req.method, req.uri.path());
+                    return Either::Right(Box::pin(std::future::ready(answer)));
+                }
+            };
+        if req.cut.is_none() && passthrough::takes_raw(&target) {
+            return Either::Left(Box::pin(passthrough::forward_raw(
+                rt.clone(),
+                &target,
+                req,
+                peer,
+            )));
         }
+        let target = target.into_owned();
+        let Some(req) = req.into_request(spare) else {
+            // Not reached: httparse, which read the head, admits exactly the bytes `http`
+            // does.
+            let refused = Problem::new(Kind::BadRequest, "the request's head is not valid HTTP");
+            return Either::Right(Box::pin(std::future::ready(refused.into_response())));
+        };
+        let proxy = self.proxy.clone();
+        let peer = peer.clone();
+        Either::Right(Box::pin(async move {
+            let target = target.into_bound(&rt.config.upstreams);
+            proxy.dispatch(&rt, target, req, peer).await
+        }))
     }
 }
 

@@ -82,15 +82,18 @@ pub trait Handler: Clone + Send + Sync + 'static {
     type Answer: Future<Output = Response<ProxyBody>> + Send + 'static;
     type Raw: Future<Output = RawOutcome> + Send + 'static;
 
-    /// Serve `req`.
+    /// Serve a request hyper read.
     fn call(&self, req: Request<RequestBody>, peer: ClientAddr) -> Self::Answer;
 
-    /// Forward `req` as bytes if it may take the read-only lane ([`super::raw`]), or give
-    /// it back to be served by [`Handler::call`].
-    /// The request is given back by value once per request and never stored; a box would
-    /// be an allocation per request.
-    #[allow(clippy::result_large_err)]
-    fn forward_raw(&self, req: RawRequest, peer: &ClientAddr) -> Result<Self::Raw, RawRequest>;
+    /// Serve a request this loop read: by the read-only lane ([`super::raw`]) when its
+    /// route allows, else as an `http::Request` ([`RawRequest::into_request`], with
+    /// `spare` for its headers).
+    fn serve(
+        &self,
+        req: RawRequest,
+        spare: Option<HeaderMap>,
+        peer: &ClientAddr,
+    ) -> Either<Self::Raw, Self::Answer>;
 }
 
 /// What one connection needs from its worker.
@@ -338,36 +341,15 @@ impl Conn {
                 body,
                 cut,
             };
-            // The answer: by the read-only lane when the handler takes the request as
-            // bytes, else as an `http::Request`. The client's connection is watched
-            // meanwhile: at its end the request is dropped (bytes of pipelined requests
-            // are kept for later).
-            let raw = match cut {
-                None => shared.handler.forward_raw(req, peer),
-                Some(_) => Err(req),
-            };
-            let answer = match raw {
-                Ok(raw) => Either::Left(raw.map(Answer::from_raw as fn(RawOutcome) -> Answer)),
-                Err(req) => match req.into_request(self.spare.take()) {
-                    Some(req) => Either::Right(
-                        shared
-                            .handler
-                            .call(req, peer.clone())
-                            .map(Answer::Response as fn(Response<ProxyBody>) -> Answer),
-                    ),
-                    None => {
-                        // Not reached: httparse admits exactly the bytes `http` does.
-                        let refused =
-                            Problem::new(Kind::BadRequest, "the request's head is not valid HTTP")
-                                .into_response();
-                        let mut close = true;
-                        let _ = self
-                            .respond(Answer::Response(refused), is_head, &mut close)
-                            .await;
-                        let _ = self.stream.shutdown().await;
-                        return End::Close;
-                    }
-                },
+            // The answer. The client's connection is watched meanwhile: at its end the
+            // request is dropped (bytes of pipelined requests are kept for later).
+            let answer = match shared.handler.serve(req, self.spare.take(), peer) {
+                Either::Left(raw) => {
+                    Either::Left(raw.map(Answer::from_raw as fn(RawOutcome) -> Answer))
+                }
+                Either::Right(resp) => {
+                    Either::Right(resp.map(Answer::Response as fn(Response<ProxyBody>) -> Answer))
+                }
             };
             tokio::pin!(answer);
             let resp = loop {
