@@ -19,6 +19,10 @@
 //!   then parses that request itself and answers exactly as it would have from the start
 //!   (400, 414, 431, `100 Continue`, streaming, upgrades, HTTP/2), and keeps the connection.
 //!   So this loop never answers a request it did not take, malformed ones included.
+//! - A request taken here goes to [`Handler::serve`] as its head's bytes and field spans
+//!   ([`RawRequest`]); the proxy forwards it as bytes when its route is read-only and its
+//!   upstream `http://` (the read-only lane, [`super::raw`]) and otherwise makes an
+//!   `http::Request` of it. The answer comes back as either, and is written the same way.
 //! - One difference: a body of up to [`MAX_BODY`] is read whole first, so a `413` for one
 //!   comes when it has arrived (hyper answers from the `Content-Length` at once, and then
 //!   cannot keep the connection).

@@ -24,6 +24,9 @@
 //! - A connection goes back to the pool only when its response was read to the end, with
 //!   no byte over, and neither side asked to close it (an HTTP/1.0 answer must ask to keep
 //!   it).
+//! - The read-only lane ([`super::raw`]) hands over a request already written as bytes
+//!   and takes the answer's head as bytes ([`Pool::send_raw`]); [`Pool::send`] is the
+//!   same exchange with `http` types on either side.
 //! - Sending is classified exactly: a write that put no byte on a connection is
 //!   [`super::client::SendFailure::BeforeSend`], and on a kept connection it is tried again
 //!   on another; so is a `GET`, `HEAD` or `OPTIONS` whose kept connection closed before any
@@ -971,6 +974,40 @@ mod tests {
             assert_eq!(trailers.get("x-digest").expect("field"), "abc");
         }
         assert_eq!(up.accepted.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn raw_exchanges_send_the_bytes_given_and_keep_the_answer_head_as_bytes() {
+        let up = upstream(|s, _| {
+            write(
+                s,
+                b"HTTP/1.1 201 Created\r\nX-Case: Kept\r\nContent-Length: 99\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+            )
+        });
+        let p = pool();
+        let authority: Authority = format!("127.0.0.1:{}", up.port).parse().expect("authority");
+        let message = b"GET /raw HTTP/1.1\r\nHost: up\r\nX-Mine: 1\r\n\r\n";
+        let (head, body) = p
+            .send_raw(&authority, &Method::GET, message)
+            .await
+            .expect("answered");
+        assert_eq!(head.status, StatusCode::CREATED);
+        let fields: Vec<_> = head
+            .fields
+            .iter()
+            .map(|f| (f.name(&head.bytes), f.value(&head.bytes)))
+            .collect();
+        // The `Content-Length` beside a `Transfer-Encoding` is dropped: the coding wins.
+        assert_eq!(
+            fields,
+            [
+                (&b"X-Case"[..], &b"Kept"[..]),
+                (b"Transfer-Encoding", b"chunked")
+            ]
+        );
+        let collected = body.collect().await.expect("body");
+        assert_eq!(&collected.to_bytes()[..], b"abc");
+        assert_eq!(up.seen.lock()[0], message, "sent as given");
     }
 
     #[tokio::test]
