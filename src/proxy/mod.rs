@@ -14,7 +14,8 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
-use http::{Request, Response};
+use futures_util::future::Either;
+use http::{HeaderMap, Request, Response};
 use parking_lot::{Mutex, RwLock};
 
 use crate::config::{Class, Config};
@@ -26,8 +27,6 @@ use crate::wire::client::{self, HttpClient};
 use crate::wire::headers::ClientAddr;
 use crate::wire::problem::{Kind, Problem};
 use crate::wire::raw::{RawOutcome, RawRequest};
-use futures_util::future::Either;
-use http::HeaderMap;
 
 /// What a config reload swaps as one unit: the validated config and its clients.
 pub struct Runtime {
