@@ -313,16 +313,7 @@ upstreams:
         let mut slots = [httparse::EMPTY_HEADER; 16];
         let mut resp = httparse::Response::new(&mut slots);
         assert!(resp.parse(head).expect("valid").is_complete());
-        let base = head.as_ptr() as usize;
-        let at = |s: &[u8]| {
-            let start = s.as_ptr() as usize - base;
-            start..start + s.len()
-        };
-        let mut fields: Fields = resp
-            .headers
-            .iter()
-            .map(|h| raw::Field::new(at(h.name.as_bytes()), at(h.value)))
-            .collect();
+        let mut fields = raw::spans(head, resp.headers);
         let mut map = HeaderMap::new();
         for f in &fields {
             map.append(

@@ -127,6 +127,20 @@ impl RawAnswer {
 /// proxy's own (a problem, when the upstream failed).
 pub type RawOutcome = Result<RawAnswer, http::Response<ProxyBody>>;
 
+/// Where the fields httparse found in `head` lie in it (for tests).
+#[cfg(test)]
+pub fn spans(head: &[u8], headers: &[httparse::Header<'_>]) -> Fields {
+    let base = head.as_ptr() as usize;
+    let at = |s: &[u8]| {
+        let start = s.as_ptr() as usize - base;
+        start..start + s.len()
+    };
+    headers
+        .iter()
+        .map(|h| Field::new(at(h.name.as_bytes()), at(h.value)))
+        .collect()
+}
+
 /// A request head and its fields, parsed as the fast path parses them (for tests of the
 /// code that reads [`RawRequest`]s).
 #[cfg(test)]
@@ -134,16 +148,7 @@ pub fn request(head: &'static [u8], body: &'static [u8]) -> RawRequest {
     let mut slots = [httparse::EMPTY_HEADER; 64];
     let mut req = httparse::Request::new(&mut slots);
     assert!(req.parse(head).expect("a valid head").is_complete());
-    let base = head.as_ptr() as usize;
-    let at = |s: &[u8]| {
-        let start = s.as_ptr() as usize - base;
-        start..start + s.len()
-    };
-    let fields = req
-        .headers
-        .iter()
-        .map(|h| Field::new(at(h.name.as_bytes()), at(h.value)))
-        .collect();
+    let fields = spans(head, req.headers);
     RawRequest {
         method: Method::from_bytes(req.method.expect("method").as_bytes()).expect("method"),
         uri: Uri::from_static(req.path.expect("path")),
