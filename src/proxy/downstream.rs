@@ -154,7 +154,7 @@ fn line(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
 /// An upstream's answer fields for the client, as bytes: hop-by-hop ones removed
 /// ([`response_headers`] for the read-only lane).
 pub fn retain_end_to_end(head: &[u8], fields: &mut Fields) {
-    let named = headers::connection_named(fields.iter().map(|f| (f.name(head), f.value(head))));
+    let named = headers::connection_named(crate::wire::raw::pairs(head, fields));
     fields.retain(|f| !headers::ends_here(f.name(head), &named));
 }
 

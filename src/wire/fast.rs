@@ -870,11 +870,7 @@ mod tests {
         assert_eq!(head.uri, "/a/b?c=d");
         assert_eq!(head.body_len, 5);
         assert!(!head.close);
-        let fields: Vec<_> = head
-            .fields
-            .iter()
-            .map(|f| (f.name(&head.head), f.value(&head.head)))
-            .collect();
+        let fields: Vec<_> = crate::wire::raw::pairs(&head.head, &head.fields).collect();
         assert_eq!(
             fields,
             [

@@ -52,6 +52,14 @@ impl Field {
 /// A head's fields, in the order they came. Most heads have fewer than 16.
 pub type Fields = SmallVec<[Field; 16]>;
 
+/// `fields` as (name, value) bytes of `head`, in order.
+pub fn pairs<'h, 'f>(
+    head: &'h [u8],
+    fields: &'f [Field],
+) -> impl Iterator<Item = (&'h [u8], &'h [u8])> + use<'h, 'f> {
+    fields.iter().map(move |f| (f.name(head), f.value(head)))
+}
+
 /// A request the fast path read whole: an HTTP/1.1 request in origin form with a body of
 /// known length (see [`super::fast`] for what it takes).
 pub struct RawRequest {
@@ -74,9 +82,7 @@ const ADDED_HEADERS: usize = 4;
 impl RawRequest {
     /// The fields as (name, value) bytes, in the order they came.
     pub fn fields(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
-        self.fields
-            .iter()
-            .map(|f| (f.name(&self.head), f.value(&self.head)))
+        pairs(&self.head, &self.fields)
     }
 
     /// The request as `http` types, for every path but the read-only lane. `None` only if
@@ -118,9 +124,7 @@ pub struct RawAnswer {
 
 impl RawAnswer {
     pub fn fields(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
-        self.fields
-            .iter()
-            .map(|f| (f.name(&self.head), f.value(&self.head)))
+        pairs(&self.head, &self.fields)
     }
 }
 
