@@ -110,16 +110,26 @@ pub fn watch_sent(
 pub fn on_answer(
     resp: http::Response<crate::wire::body::ProxyBody>,
 ) -> http::Response<crate::wire::body::ProxyBody> {
+    resp.map(on_answer_body)
+}
+
+/// [`on_answer`] for an answer's body alone (a replay the fast path writes as bytes).
+#[cfg(feature = "failpoints")]
+pub fn on_answer_body(body: crate::wire::body::ProxyBody) -> crate::wire::body::ProxyBody {
     use http_body_util::BodyExt as _;
     if !armed("after_answer") {
-        return resp;
+        return body;
     }
-    resp.map(|b| {
-        crate::wire::body::NotifyOnEnd::new(b, || {
-            tokio::spawn(hit("after_answer"));
-        })
-        .boxed()
+    crate::wire::body::NotifyOnEnd::new(body, || {
+        tokio::spawn(hit("after_answer"));
     })
+    .boxed()
+}
+
+#[cfg(not(feature = "failpoints"))]
+#[inline(always)]
+pub fn on_answer_body(body: crate::wire::body::ProxyBody) -> crate::wire::body::ProxyBody {
+    body
 }
 
 #[cfg(not(feature = "failpoints"))]

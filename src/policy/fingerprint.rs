@@ -9,6 +9,7 @@ use serde_json::Value;
 use sha2::{Digest, Sha256};
 
 use crate::policy::identity::ArgsHash;
+use crate::wire::headers::HeaderLookup;
 
 /// What parts of a request count toward its identity, resolved from route config.
 #[derive(Clone, Debug, Default)]
@@ -19,15 +20,17 @@ pub struct FingerprintSpec {
     pub headers: Vec<http::HeaderName>,
 }
 
-/// The request as the fingerprint sees it; borrowed so the hot path copies nothing.
-pub struct RequestParts<'a> {
+/// The request as the fingerprint sees it; borrowed so the hot path copies nothing. Its
+/// headers are a `HeaderMap` or, for [`raw_digest`], any [`HeaderLookup`] (the fast path's
+/// raw request).
+pub struct RequestParts<'a, H: ?Sized = http::HeaderMap> {
     pub method: &'a http::Method,
     pub upstream: &'a str,
     pub route: &'a str,
     /// Path relative to the upstream mount, without query.
     pub path: &'a str,
     pub query: Option<&'a str>,
-    pub headers: &'a http::HeaderMap,
+    pub headers: &'a H,
     pub body: &'a [u8],
 }
 
@@ -75,9 +78,9 @@ pub struct CallScope<'a> {
 /// byte for byte can be matched with one hash, without deriving its id or canonicalising
 /// its arguments (see `proxy::replay`). The converse does not hold: a respelled request has
 /// another raw digest and must be compared by `args_hash`.
-pub fn raw_digest(
+pub fn raw_digest<H: HeaderLookup + ?Sized>(
     scope: &CallScope<'_>,
-    parts: &RequestParts<'_>,
+    parts: &RequestParts<'_, H>,
     spec: &FingerprintSpec,
 ) -> RawDigest {
     let mut enc = Encoder::default();
@@ -86,9 +89,9 @@ pub fn raw_digest(
     enc.count(scope.tenant_from.len());
     for name in scope.tenant_from {
         enc.bytes(name.as_str().as_bytes());
-        enc.count(parts.headers.get_all(name).iter().count());
-        for v in parts.headers.get_all(name) {
-            enc.bytes(v.as_bytes());
+        enc.count(parts.headers.values(name).count());
+        for v in parts.headers.values(name) {
+            enc.bytes(v);
         }
     }
     enc.bytes(parts.method.as_str().as_bytes());
@@ -103,9 +106,9 @@ pub fn raw_digest(
         }
     }
     for name in std::iter::once(&CONTENT_TYPE).chain(spec.headers.iter()) {
-        enc.count(parts.headers.get_all(name).iter().count());
-        for v in parts.headers.get_all(name) {
-            enc.bytes(v.as_bytes());
+        enc.count(parts.headers.values(name).count());
+        for v in parts.headers.values(name) {
+            enc.bytes(v);
         }
     }
     enc.bytes(parts.body);

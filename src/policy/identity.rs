@@ -37,6 +37,7 @@ macro_rules! display_inner {
 }
 display_inner!(ExecutionId, ArgsHash, TenantScope);
 
+use crate::wire::headers::{visible_ascii, HeaderLookup};
 use base64::Engine as _;
 use http::HeaderMap;
 use sha2::{Digest, Sha256};
@@ -66,19 +67,19 @@ pub enum KeyLookup {
 
 /// Find the logical key of a request (SPEC section 4): the client's key header, else the
 /// `derive_from` headers (all of them must be present) joined with the tool identity.
-pub fn find_key(
-    headers: &HeaderMap,
+pub fn find_key<H: HeaderLookup + ?Sized>(
+    headers: &H,
     id: &IdentityConfig,
     route: &Route,
     max_key_bytes: usize,
 ) -> KeyLookup {
-    let mut values = headers.get_all(&id.key_header).iter();
+    let mut values = headers.values(&id.key_header);
     if let Some(v) = values.next() {
         if values.next().is_some() {
             return KeyLookup::Invalid(format!("more than one {} header", id.key_header));
         }
         return check_key(
-            v.to_str().ok().map(str::trim),
+            visible_ascii(v).map(str::trim),
             max_key_bytes,
             KeySource::Client,
             id.key_header.as_str(),
@@ -89,10 +90,10 @@ pub fn find_key(
     }
     let mut parts = Vec::with_capacity(id.derive_from.len() + 2);
     for h in &id.derive_from {
-        match headers.get(h) {
+        match headers.text(h) {
             None => return KeyLookup::Missing,
-            Some(v) => match v.to_str().map(str::trim) {
-                Ok(s) if !s.is_empty() => parts.push(s.to_string()),
+            Some(v) => match v.map(str::trim) {
+                Some(s) if !s.is_empty() => parts.push(s.to_string()),
                 _ => {
                     return KeyLookup::Invalid(format!("header {h} is empty or not visible ASCII"))
                 }
@@ -127,15 +128,18 @@ fn check_key(v: Option<&str>, max: usize, source: KeySource, what: &str) -> KeyL
 
 /// SHA-256 of the tenant credential headers: keys are scoped by it, so the same key under
 /// another credential is another execution. Missing and empty headers hash differently.
-pub fn tenant_scope(headers: &HeaderMap, tenant_from: &[http::HeaderName]) -> TenantScope {
+pub fn tenant_scope<H: HeaderLookup + ?Sized>(
+    headers: &H,
+    tenant_from: &[http::HeaderName],
+) -> TenantScope {
     let mut h = Sha256::new();
     for name in tenant_from {
         h.update(name.as_str().as_bytes());
-        match headers.get(name) {
+        match headers.values(name).next() {
             Some(v) => {
                 h.update([1]);
                 h.update((v.len() as u64).to_be_bytes());
-                h.update(v.as_bytes());
+                h.update(v);
             }
             None => h.update([0]),
         }
@@ -167,7 +171,7 @@ pub fn operation_id(headers: &HeaderMap, id: &IdentityConfig) -> Option<String> 
 mod tests {
     use super::*;
     use crate::config::from_yaml;
-    use http::HeaderValue;
+    use http::{HeaderName, HeaderValue};
     use std::path::Path;
 
     fn cfg() -> crate::config::Config {
@@ -253,5 +257,72 @@ mod tests {
         assert!(a.as_str()[3..]
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_'));
+    }
+
+    /// A request the fast path read as bytes gets the same key, tenant scope and raw
+    /// digest as the same request as an `http::Request` (the replay lane answers from
+    /// memory only what `admit` would).
+    #[test]
+    fn a_raw_request_reads_as_its_header_map() {
+        use crate::policy::fingerprint::{raw_digest, CallScope, FingerprintSpec, RequestParts};
+        let c = cfg();
+        let r = &c.upstreams[0].routes[0];
+        let tenant_from = [
+            http::header::AUTHORIZATION,
+            HeaderName::from_static("x-org"),
+        ];
+        let spec = FingerprintSpec {
+            ignore_json: vec![],
+            headers: vec![HeaderName::from_static("x-account")],
+        };
+        let heads: [&'static [u8]; 7] = [
+            b"POST /send?b=1 HTTP/1.1\r\nHost: x\r\nIdempotency-Key: k1\r\nAuthorization: Bearer a\r\nContent-Type: application/json\r\nX-Account: 7\r\nx-account: 8\r\n\r\n",
+            b"POST /send HTTP/1.1\r\nidempotency-key:   k1  \r\nAUTHORIZATION: Bearer a\r\nX-Org:\r\n\r\n",
+            b"POST /send HTTP/1.1\r\nIdempotency-Key: k1\r\nIdempotency-Key: k2\r\n\r\n",
+            b"POST /send HTTP/1.1\r\nIdempotency-Key: k\xc3\xa9\r\n\r\n",
+            b"POST /send HTTP/1.1\r\nIdempotency-Key: \r\n\r\n",
+            b"POST /send HTTP/1.1\r\nX-Operation-Id: op\r\nX-Model-Round: 3\r\nX-Tool-Call-Id: c\r\n\r\n",
+            b"POST /send HTTP/1.1\r\nX-Operation-Id: op\r\nX-Model-Round: \xff\r\nX-Tool-Call-Id: c\r\n\r\n",
+        ];
+        for head in heads {
+            let raw = crate::wire::raw::request(head, b"{}");
+            let map = crate::wire::raw::request(head, b"{}")
+                .into_request(None)
+                .expect("valid");
+            let label = String::from_utf8_lossy(head);
+            assert_eq!(
+                find_key(&raw, &c.identity, r, 255),
+                find_key(map.headers(), &c.identity, r, 255),
+                "{label}"
+            );
+            assert_eq!(
+                tenant_scope(&raw, &tenant_from),
+                tenant_scope(map.headers(), &tenant_from),
+                "{label}"
+            );
+            let scope = CallScope {
+                key: "k",
+                tenant_from: &tenant_from,
+            };
+            fn parts<'a, H: ?Sized>(
+                req: &'a crate::wire::raw::RawRequest,
+                headers: &'a H,
+            ) -> RequestParts<'a, H> {
+                RequestParts {
+                    method: &req.method,
+                    upstream: "mail",
+                    route: "send_email",
+                    path: "/send",
+                    query: req.uri.query(),
+                    headers,
+                    body: &req.body,
+                }
+            }
+            assert_eq!(
+                raw_digest(&scope, &parts(&raw, &raw), &spec),
+                raw_digest(&scope, &parts(&raw, map.headers()), &spec),
+                "{label}"
+            );
+        }
     }
 }

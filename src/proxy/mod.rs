@@ -344,13 +344,21 @@ impl crate::wire::fast::Handler for Arc<Worker> {
                     return Either::Right(Box::pin(std::future::ready(answer)));
                 }
             };
-        if req.cut.is_none() && passthrough::takes_raw(&target) {
-            return Either::Left(Box::pin(passthrough::forward_raw(
-                rt.clone(),
-                &target,
-                req,
-                peer,
-            )));
+        if req.cut.is_none() {
+            if passthrough::takes_raw(&target) {
+                return Either::Left(Box::pin(passthrough::forward_raw(
+                    rt.clone(),
+                    &target,
+                    req,
+                    peer,
+                )));
+            }
+            // A byte-for-byte retry of a delivered call, answered from memory as bytes.
+            if target.route.class == Class::SideEffect {
+                if let Some(answer) = side_effect::replay_raw(&self.proxy, &rt, &target, &req) {
+                    return Either::Left(Box::pin(std::future::ready(Ok(answer))));
+                }
+            }
         }
         let target = target.into_owned();
         let Some(req) = req.into_request(spare) else {

@@ -14,10 +14,13 @@
 //! arguments) misses and is judged on the store path, which answers a changed argument
 //! with 422 as before.
 //!
-//! Every replay of an entry reads it from whichever worker thread got the retry, so the
-//! entry is laid out to be cheap to copy out: its headers are a ready `HeaderMap` (cloned,
-//! not rebuilt and rehashed) whose values are slices of one buffer (one reference count
-//! touched for all of them, not one per value).
+//! An entry is laid out as the fast path writes it (docs/PERFORMANCE.md, item 37): its
+//! header names and values and its body in one buffer, with where each field lies, so a
+//! replay over HTTP/1.1 is a [`RawAnswer`] made of two reference counts and a copy of the
+//! spans ([`ReplayCache::replay_raw`]), with no `HeaderMap` and no `Response`. A replay
+//! the fast path did not read (HTTP/2, large or chunked bodies) builds a `HeaderMap` from
+//! the same fields ([`ReplayCache::replay`]); both give the same status, fields, order
+//! and body.
 //!
 //! An answer is admitted on its first replay from the store, not when it is first
 //! delivered: most calls are never retried, and caching every first answer filled the
@@ -31,7 +34,7 @@
 //! starts an empty one, since the fingerprint rules of a route may have changed.
 
 use bytes::{Bytes, BytesMut};
-use http::{HeaderMap, HeaderValue, Response, StatusCode};
+use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 use quick_cache::sync::Cache;
 use quick_cache::Weighter;
 use std::sync::Arc;
@@ -42,6 +45,7 @@ use crate::policy::state::State;
 use crate::store::{Record, StoredResponse};
 use crate::wire::body::{self, ProxyBody};
 use crate::wire::headers::{EXECUTION_ID, REPLAYED};
+use crate::wire::raw::{pairs, Field, Fields, RawAnswer};
 
 pub struct ReplayCache {
     entries: Option<Cache<RawDigest, Arc<Entry>, ByBytes>>,
@@ -50,7 +54,13 @@ pub struct ReplayCache {
 struct Entry {
     expires_at_ms: i64,
     status: StatusCode,
-    headers: HeaderMap,
+    /// The header names and values, then the body, back to back.
+    buf: Bytes,
+    /// Where each header's name and value lie in `buf`: the stored headers in their order,
+    /// then the execution id and `Idempotent-Replayed`. Names are lower case, as
+    /// `HeaderName` spells them.
+    fields: Box<[Field]>,
+    /// The body: the end of `buf`.
     body: Bytes,
     weight: u64,
 }
@@ -64,11 +74,9 @@ impl Weighter<RawDigest, Arc<Entry>> for ByBytes {
     }
 }
 
-/// Memory per entry beside its bytes: the entry and its Arc, the cache's slot and key, the
-/// header map's index table.
-const ENTRY_OVERHEAD: u64 = 320;
-/// Per header beside its name and value bytes: the map's bucket.
-const HEADER_OVERHEAD: u64 = 112;
+/// Memory per entry beside its buffer and spans: the entry and its Arc, the cache's slot
+/// and key.
+const ENTRY_OVERHEAD: u64 = 192;
 
 impl ReplayCache {
     /// A cache of at most `bytes` (0: none; every replay reads the store).
@@ -80,17 +88,44 @@ impl ReplayCache {
         ReplayCache { entries }
     }
 
+    /// The entry a request with the same raw digest replayed before, if it is still within
+    /// retention.
+    fn hit(&self, raw: &RawDigest, now_ms: i64) -> Option<Arc<Entry>> {
+        let entry = self.entries.as_ref()?.get(raw)?;
+        (entry.expires_at_ms > now_ms).then_some(entry)
+    }
+
     /// The replayed answer, if a request with the same raw digest replayed a delivered
     /// answer before and that answer is still within retention.
     pub fn replay(&self, raw: &RawDigest, now_ms: i64) -> Option<Response<ProxyBody>> {
-        let entry = self.entries.as_ref()?.get(raw)?;
-        if entry.expires_at_ms <= now_ms {
-            return None;
+        let entry = self.hit(raw, now_ms)?;
+        let mut headers = HeaderMap::with_capacity(entry.fields.len());
+        for f in entry.fields.iter() {
+            // Both were a valid name and value when the entry was made.
+            let value = entry.buf.slice(f.value_range());
+            if let (Ok(name), Ok(value)) = (
+                HeaderName::from_bytes(f.name(&entry.buf)),
+                HeaderValue::from_maybe_shared(value),
+            ) {
+                headers.append(name, value);
+            }
         }
         let mut resp = Response::new(body::full(entry.body.clone()));
         *resp.status_mut() = entry.status;
-        *resp.headers_mut() = entry.headers.clone();
+        *resp.headers_mut() = headers;
         Some(resp)
+    }
+
+    /// [`ReplayCache::replay`] as the fast path writes it: the same status, fields and
+    /// body, as bytes.
+    pub fn replay_raw(&self, raw: &RawDigest, now_ms: i64) -> Option<RawAnswer> {
+        let entry = self.hit(raw, now_ms)?;
+        Some(RawAnswer {
+            status: entry.status,
+            head: entry.buf.clone(),
+            fields: Fields::from_slice(&entry.fields),
+            body: body::full(entry.body.clone()),
+        })
     }
 
     /// Keep `record`'s answer if it is delivered (nothing else is final), for retries whose
@@ -109,19 +144,17 @@ impl ReplayCache {
         };
         let (status, mut map) = response_head(stored, &record.id);
         map.insert(REPLAYED, HeaderValue::from_static("true"));
-        let (headers, body) = one_buffer(&map, &stored.body);
+        let (buf, fields, body) = one_buffer(&map, &stored.body);
         let weight = ENTRY_OVERHEAD
-            + stored.body.len() as u64
-            + headers
-                .iter()
-                .map(|(n, v)| (n.as_str().len() + v.len()) as u64 + HEADER_OVERHEAD)
-                .sum::<u64>();
+            + buf.len() as u64
+            + (fields.len() * std::mem::size_of::<Field>()) as u64;
         entries.insert(
             raw,
             Arc::new(Entry {
                 expires_at_ms: record.expires_at_ms,
                 status,
-                headers,
+                buf,
+                fields,
                 body,
                 weight,
             }),
@@ -129,26 +162,30 @@ impl ReplayCache {
     }
 }
 
-/// The same headers, in the same order, and the body, all slices of one buffer.
-fn one_buffer(map: &HeaderMap, body: &[u8]) -> (HeaderMap, Bytes) {
-    let values: usize = map.values().map(|v| v.len()).sum();
-    let mut buf = BytesMut::with_capacity(values + body.len());
-    for v in map.values() {
-        buf.extend_from_slice(v.as_bytes());
+/// The headers' names and values, in the same order, and the body, in one buffer; where
+/// each field lies in it; the body as a slice of it.
+fn one_buffer(map: &HeaderMap, body: &[u8]) -> (Bytes, Box<[Field]>, Bytes) {
+    let head: usize = map.iter().map(|(n, v)| n.as_str().len() + v.len()).sum();
+    let mut buf = BytesMut::with_capacity(head + body.len());
+    let mut fields = Vec::with_capacity(map.len());
+    for (name, value) in map {
+        let name_at = buf.len();
+        buf.extend_from_slice(name.as_str().as_bytes());
+        let value_at = buf.len();
+        buf.extend_from_slice(value.as_bytes());
+        fields.push(Field::new(name_at..value_at, value_at..buf.len()));
     }
     buf.extend_from_slice(body);
     let buf = buf.freeze();
-    let mut out = HeaderMap::with_capacity(map.len());
-    let mut at = 0;
-    for (name, v) in map {
-        let slice = buf.slice(at..at + v.len());
-        at += v.len();
-        // The bytes were a valid header value a moment ago.
-        let mut value = HeaderValue::from_maybe_shared(slice).unwrap_or_else(|_| v.clone());
-        value.set_sensitive(v.is_sensitive());
-        out.append(name.clone(), value);
-    }
-    (out, buf.slice(at..))
+    let body = buf.slice(head..);
+    (buf, fields.into(), body)
+}
+
+/// The execution id among a replayed answer's fields (for the log).
+pub fn execution_id_of(answer: &RawAnswer) -> &[u8] {
+    pairs(&answer.head, &answer.fields)
+        .find(|(n, _)| *n == EXECUTION_ID.as_str().as_bytes())
+        .map_or(&[][..], |(_, v)| v)
 }
 
 /// Status and headers of a stored answer as the client gets them: the downstream's
@@ -175,6 +212,13 @@ mod tests {
 
     /// An expiry well after the test runs (remember keeps nothing already expired).
     const LATER: i64 = i64::MAX / 2;
+
+    fn collect(body: ProxyBody) -> Bytes {
+        futures_util::FutureExt::now_or_never(http_body_util::BodyExt::collect(body))
+            .expect("a full body is ready")
+            .expect("no error")
+            .to_bytes()
+    }
 
     fn delivered(id: &str, expires_at_ms: i64) -> Record {
         let mut r = crate::store::record::tests::sample();
@@ -224,13 +268,23 @@ mod tests {
             ],
             "the stored order, then the proxy's own"
         );
-        let body = futures_util::FutureExt::now_or_never(http_body_util::BodyExt::collect(
-            resp.into_body(),
-        ))
-        .expect("a full body is ready")
-        .expect("no error")
-        .to_bytes();
-        assert_eq!(&body[..], br#"{"id":"msg_1"}"#);
+        // The same answer as bytes, for the fast path: status, fields in order, body.
+        let lane = cache.replay_raw(&raw, 10).expect("hit as bytes");
+        assert_eq!(lane.status, resp.status());
+        let map_fields: Vec<_> = resp
+            .headers()
+            .iter()
+            .map(|(n, v)| (n.as_str().as_bytes().to_vec(), v.as_bytes().to_vec()))
+            .collect();
+        let lane_fields: Vec<_> = lane
+            .fields()
+            .map(|(n, v)| (n.to_vec(), v.to_vec()))
+            .collect();
+        assert_eq!(lane_fields, map_fields);
+        assert_eq!(execution_id_of(&lane), b"ex_1");
+        assert_eq!(&collect(lane.body)[..], br#"{"id":"msg_1"}"#);
+        assert!(cache.replay_raw(&raw, LATER).is_none(), "past retention");
+        assert_eq!(&collect(resp.into_body())[..], br#"{"id":"msg_1"}"#);
         assert!(
             cache.replay(&RawDigest([8; 32]), 10).is_none(),
             "other bytes go to the store path"

@@ -32,6 +32,7 @@ use crate::wire::body::{self, BoxError, NotifyOnEnd, ProxyBody, RequestBody};
 use crate::wire::client::{self, HttpClient, SendFailure};
 use crate::wire::headers::{ClientAddr, EXECUTION_ID, REPLAYED, STATUS};
 use crate::wire::problem::{Kind, Problem};
+use crate::wire::raw::{RawAnswer, RawRequest};
 
 /// What admission decided, before any work that must outlive the client's connection.
 pub enum Admit {
@@ -136,6 +137,54 @@ pub async fn admit(
         tenant,
         raw,
     })
+}
+
+/// A request the fast path read whole that repeats a delivered call byte for byte,
+/// answered from the replay cache as bytes ([`replay::ReplayCache::replay_raw`]) before it
+/// becomes an `http::Request`; `None` for any other, which goes on to [`admit`]. Its key
+/// and raw digest are read exactly as `admit` reads them (the same functions, through
+/// [`HeaderLookup`](crate::wire::headers::HeaderLookup)), so what hits here would have hit
+/// there, and what is declined here (no key, a bad key, a body over the limit, a miss)
+/// gets `admit`'s answer.
+pub fn replay_raw(
+    proxy: &Proxy,
+    rt: &Runtime,
+    target: &Target<'_>,
+    req: &RawRequest,
+) -> Option<RawAnswer> {
+    let cfg = &rt.config;
+    let route = target.route;
+    let KeyLookup::Found { key, .. } =
+        identity::find_key(req, &cfg.identity, route, cfg.limits.max_key_bytes)
+    else {
+        return None;
+    };
+    if req.body.len() > cfg.limits.max_body_bytes {
+        return None;
+    }
+    let scope = CallScope {
+        key: &key,
+        tenant_from: &cfg.identity.tenant_from,
+    };
+    let parts = RequestParts {
+        method: &req.method,
+        upstream: &target.upstream.name,
+        route: &route.name,
+        path: &target.rel_path,
+        query: req.uri.query(),
+        headers: req,
+        body: &req.body,
+    };
+    let raw = raw_digest(&scope, &parts, &route.fingerprint);
+    let mut answer = rt.shared.replays.replay_raw(&raw, now_ms())?;
+    tracing::info!(
+        execution_id = std::str::from_utf8(replay::execution_id_of(&answer)).unwrap_or(""),
+        from = "memory",
+        "replayed stored result"
+    );
+    rt.replay_counters(&proxy.metrics, target).replayed();
+    answer.body = failpoint::on_answer_body(answer.body);
+    Some(answer)
 }
 
 /// Copies of the request's head and body in allocations of their own. The listener (its

@@ -130,6 +130,37 @@ pub fn ends_here(name: &[u8], named: &[&[u8]]) -> bool {
     is_hop_by_hop_name(name) || named.iter().any(|n| n.eq_ignore_ascii_case(name))
 }
 
+/// A request's header fields, however they are held: an `http::HeaderMap`, or a head's
+/// bytes and the spans of its fields ([`super::raw::RawRequest`]). What policy reads of a
+/// request's headers (its key, the tenant headers, the fingerprinted ones) it reads through
+/// this, so a request read by either lane gets the same key and the same digests.
+pub trait HeaderLookup {
+    /// The values of the field `name`, in the order they came.
+    fn values<'a>(&'a self, name: &'a HeaderName) -> impl Iterator<Item = &'a [u8]> + 'a;
+
+    /// The first value of `name`, as `HeaderValue::to_str` reads it: `None` if the field
+    /// is missing, `Some(None)` if its value is not visible ASCII.
+    fn text<'a>(&'a self, name: &'a HeaderName) -> Option<Option<&'a str>> {
+        self.values(name).next().map(visible_ascii)
+    }
+}
+
+impl HeaderLookup for HeaderMap {
+    fn values<'a>(&'a self, name: &'a HeaderName) -> impl Iterator<Item = &'a [u8]> + 'a {
+        self.get_all(name).iter().map(HeaderValue::as_bytes)
+    }
+}
+
+/// `value` as text if it is visible ASCII (tabs allowed), the test `HeaderValue::to_str`
+/// makes.
+pub fn visible_ascii(value: &[u8]) -> Option<&str> {
+    value
+        .iter()
+        .all(|&b| b == b'\t' || (0x20..0x7f).contains(&b))
+        .then(|| std::str::from_utf8(value).ok())
+        .flatten()
+}
+
 /// A client connection's address, with the text `X-Forwarded-For` gets made once per
 /// connection rather than once per request (formatting it showed in the pass-through
 /// profile).

@@ -19,6 +19,7 @@ use http::{Method, Request, StatusCode, Uri, Version};
 use smallvec::SmallVec;
 
 use super::body::{ProxyBody, RequestBody};
+use super::headers::HeaderLookup;
 
 /// Where a header field's name and value lie in a head's bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -44,7 +45,7 @@ impl Field {
         &head[self.value.0 as usize..self.value.1 as usize]
     }
 
-    fn value_range(&self) -> Range<usize> {
+    pub fn value_range(&self) -> Range<usize> {
         self.value.0 as usize..self.value.1 as usize
     }
 }
@@ -109,6 +110,17 @@ impl RawRequest {
         *req.version_mut() = Version::HTTP_11;
         *req.headers_mut() = headers;
         Some(req)
+    }
+}
+
+/// Header names are matched without regard to case, as `HeaderMap` matches them (its
+/// names are lower case; a head's are as the client wrote them).
+impl HeaderLookup for RawRequest {
+    fn values<'a>(&'a self, name: &'a HeaderName) -> impl Iterator<Item = &'a [u8]> + 'a {
+        let name = name.as_str().as_bytes();
+        self.fields()
+            .filter(move |(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v)
     }
 }
 
