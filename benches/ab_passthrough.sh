@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# A/B of two idemproxy builds on read-only pass-through, in alternating 5 s wrk rounds on
-# one machine (docs/PERFORMANCE.md, item 25). OLD is another build's binary, e.g.
+# A/B of two idemproxy builds on read-only pass-through and replays from memory, in
+# alternating 5 s wrk rounds on one machine (docs/PERFORMANCE.md, items 25 and 37). OLD is
+# another build's binary, e.g.
 #   git worktree add /tmp/old 454ce0e && (cd /tmp/old && CARGO_TARGET_DIR=/tmp/old-target cargo build --release --bin idemproxy)
 #   OLD_BIN=/tmp/old-target/release/idemproxy benches/ab_passthrough.sh
+#   OLD_BIN=... ROWS="replay" ROUNDS=6 benches/ab_passthrough.sh   # some rows, more rounds
+# Rows: GET and POST pass-through, replay (1,000 keys executed and replayed once in an
+# untimed warm-up, so every timed replay is answered from memory).
 set -e
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OLD_BIN=${OLD_BIN:?set OLD_BIN to the other build}
@@ -19,12 +23,15 @@ NEW=$(start new $ROOT/target/release/idemproxy); OLD=$(start old $OLD_BIN)
 REQ="$ROOT/benches/wrk/request.lua"
 get() { BENCH_METHOD=GET BENCH_PATH="/api/weather?city=paris" wrk -t2 -c32 -d$2 -s "$REQ" http://127.0.0.1:$1; }
 post() { BENCH_METHOD=POST BENCH_PATH=/api/echo BENCH_BODY=512 wrk -t2 -c32 -d$2 -s "$REQ" http://127.0.0.1:$1; }
-for p in $NEW $OLD; do get $p 2s >/dev/null; done
-for r in 1 2 3; do
+replay() { BENCH_METHOD=POST BENCH_PATH=/api/send BENCH_BODY=512 BENCH_KEYS=pool BENCH_POOL=1000 BENCH_PREFIX=r wrk -t2 -c32 -d$2 -s "$REQ" http://127.0.0.1:$1; }
+ROWS=${ROWS:-"get post replay"}
+rps() { awk '/Requests\/sec/ {print int($2)}'; }
+for p in $NEW $OLD; do get $p 2s >/dev/null; replay $p 3s >/dev/null; done
+for r in $(seq 1 "${ROUNDS:-3}"); do
  for v in old new; do p=$([ $v = new ] && echo $NEW || echo $OLD)
-  g=$(get $p 5s | awk '/Requests\/sec/ {print int($2)}')
-  q=$(post $p 5s | awk '/Requests\/sec/ {print int($2)}')
-  echo "round $r $v GET $g POST $q"
+  line="round $r $v"
+  for row in $ROWS; do line="$line $row $($row $p 5s | rps)"; done
+  echo "$line"
  done
 done
 pkill -f "$WORK/new/idemproxy.yaml" || true; pkill -f "$WORK/old/idemproxy.yaml" || true; kill $(cat $WORK/up/nginx.pid); rm -rf $WORK
