@@ -164,6 +164,21 @@ async fn replays_from_memory_keep_the_store_verdicts() {
             .collect()
     };
     assert_eq!(fields(&cached), fields(&retry));
+    // Over HTTP/2 (hyper's server, the replay cache's ready header map): the same again,
+    // from memory too.
+    let from_memory = memory(&proxy);
+    let h2 = post(&h2_client(), &url, &k, body).await;
+    assert_eq!(h2.status, StatusCode::CREATED);
+    assert_eq!(fields(&h2), fields(&retry));
+    assert_eq!(h2.body, first.body);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while memory(&proxy) == from_memory {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the HTTP/2 replay was not answered from memory"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     // Other arguments under the cached key: still the key-mismatch problem.
     let changed = post(&c, &url, &k, r#"{"to":"a@x","amount":2}"#).await;
     assert_eq!(
