@@ -7,6 +7,8 @@
 #   N=500 benches/instructions.sh      # quicker
 #   KEEP=/tmp/cg ROWS="idemproxy-get floor-proxy" benches/instructions.sh
 #                                      # some rows; keep callgrind's files for callgrind_annotate
+#   REPLAY_CACHE=0 ROWS=idemproxy-replay benches/instructions.sh
+#                                      # replays from the store (limits.replay_cache_bytes: 0)
 #
 # Each row starts its server under `valgrind --tool=callgrind --instr-atstart=no` with one
 # worker thread, warms it up (connections, pools, and for replays: every key executed,
@@ -116,7 +118,7 @@ EOF
 # proxy_row NAME MODE: idemproxy with a store of its own.
 proxy_row() {
   local name=$1 mode=$2 port cfg; port=$(free_port)
-  cfg=$(LISTEN="127.0.0.1:$port" write_config "$name")
+  cfg=$(LISTEN="127.0.0.1:$port" write_config "$name" 24h 60s ${REPLAY_CACHE:-})
   count "$name" "$mode" "$port" "$ROOT/target/release/idemproxy" serve --config "$cfg"
 }
 

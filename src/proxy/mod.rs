@@ -162,17 +162,19 @@ impl Proxy {
             req.method(),
             req.uri().path(),
         ) {
-            Classified::Matched(target) => self.dispatch(&rt, target, req, peer).await,
+            Classified::Matched(target) => self.dispatch(&rt, target, req, None, peer).await,
             other => unrouted(&other, req.method(), req.uri().path()),
         }
     }
 
-    /// A request whose route is known.
+    /// A request whose route is known (`looked`: the fast path looked it up in the replay
+    /// cache already, see [`side_effect::replay_raw`]).
     async fn dispatch(
         self: &Arc<Self>,
         rt: &Arc<Runtime>,
         target: Target<'_>,
         req: Request<RequestBody>,
+        looked: Option<side_effect::Looked>,
         peer: ClientAddr,
     ) -> Response<ProxyBody> {
         let client = &rt.clients[target.upstream_index];
@@ -182,7 +184,7 @@ impl Proxy {
             // than the pass-through's future, and a request's future is as large as its
             // largest branch, so neither needs a box of its own.
             Class::SideEffect => {
-                let admitted = side_effect::admit(self, rt, &target, req).await;
+                let admitted = side_effect::admit(self, rt, &target, req, looked).await;
                 self.side_effect(rt, client, target, admitted, peer).await
             }
         }
@@ -344,6 +346,7 @@ impl crate::wire::fast::Handler for Arc<Worker> {
                     return Either::Right(Box::pin(std::future::ready(answer)));
                 }
             };
+        let mut looked = None;
         if req.cut.is_none() {
             if passthrough::takes_raw(&target) {
                 return Either::Left(Box::pin(passthrough::forward_raw(
@@ -355,8 +358,12 @@ impl crate::wire::fast::Handler for Arc<Worker> {
             }
             // A byte-for-byte retry of a delivered call, answered from memory as bytes.
             if target.route.class == Class::SideEffect {
-                if let Some(answer) = side_effect::replay_raw(&self.proxy, &rt, &target, &req) {
-                    return Either::Left(Box::pin(std::future::ready(Ok(answer))));
+                match side_effect::replay_raw(&self.proxy, &rt, &target, &req) {
+                    side_effect::RawReplay::Answered(answer) => {
+                        return Either::Left(Box::pin(std::future::ready(Ok(answer))))
+                    }
+                    side_effect::RawReplay::Missed(keyed) => looked = Some(keyed),
+                    side_effect::RawReplay::Declined => {}
                 }
             }
         }
@@ -371,7 +378,7 @@ impl crate::wire::fast::Handler for Arc<Worker> {
         let peer = peer.clone();
         Either::Right(Box::pin(async move {
             let target = target.into_bound(&rt.config.upstreams);
-            proxy.dispatch(&rt, target, req, peer).await
+            proxy.dispatch(&rt, target, req, looked, peer).await
         }))
     }
 }

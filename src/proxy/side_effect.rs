@@ -17,7 +17,7 @@ use http::{HeaderValue, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
 
 use super::{downstream, passthrough, reconcile as lookup, replay, Proxy, Runtime};
-use crate::config::{Concurrent, On5xx, Route};
+use crate::config::{Concurrent, Config, On5xx, Route};
 use crate::failpoint;
 use crate::metrics::{Metrics, RouteLabels};
 use crate::policy::classify::Target;
@@ -30,7 +30,7 @@ use crate::store::{
 };
 use crate::wire::body::{self, BoxError, NotifyOnEnd, ProxyBody, RequestBody};
 use crate::wire::client::{self, HttpClient, SendFailure};
-use crate::wire::headers::{ClientAddr, EXECUTION_ID, REPLAYED, STATUS};
+use crate::wire::headers::{ClientAddr, HeaderLookup, EXECUTION_ID, REPLAYED, STATUS};
 use crate::wire::problem::{Kind, Problem};
 use crate::wire::raw::{RawAnswer, RawRequest};
 
@@ -53,79 +53,86 @@ pub struct Admitted {
     raw: RawDigest,
 }
 
+/// What [`replay_raw`] derived of a keyed request it found no answer in memory for: its key
+/// and raw digest, handed on to [`admit`] so that they are not derived twice.
+pub struct Looked {
+    key: String,
+    raw: RawDigest,
+}
+
 /// Admit a request classified as a side effect: find its key, read its body, derive its
 /// execution id, and answer it from the replay cache when it repeats a delivered call
-/// byte for byte (a hit needs no store read and no task of its own).
+/// byte for byte (a hit needs no store read and no task of its own). `looked`: the fast
+/// path's [`replay_raw`] found the key and looked in memory already.
 pub async fn admit(
     proxy: &Proxy,
     rt: &Runtime,
     target: &Target<'_>,
     req: Request<RequestBody>,
+    looked: Option<Looked>,
 ) -> Admit {
     let cfg = &rt.config;
     let route = target.route;
-    // admit: the key decides whether this call is protected at all.
-    let key = match identity::find_key(
-        req.headers(),
-        &cfg.identity,
-        route,
-        cfg.limits.max_key_bytes,
-    ) {
-        KeyLookup::Found { key, .. } => key,
-        KeyLookup::Missing if route.key_required => {
-            return Admit::Respond(
-                Problem::new(
-                    Kind::KeyMissing,
-                    format!(
-                        "route `{}/{}` has side effects and needs an {} header{}",
-                        target.upstream.name,
-                        route.name,
-                        cfg.identity.key_header,
-                        if cfg.identity.derive_from.is_empty() {
-                            String::new()
-                        } else {
-                            " or the derive_from headers".to_string()
-                        }
-                    ),
-                )
-                .into_response(),
-            );
-        }
-        KeyLookup::Missing => return Admit::Unprotected(req),
-        KeyLookup::Invalid(why) => {
-            return Admit::Respond(Problem::new(Kind::KeyInvalid, why).into_response())
-        }
+    let (key, looked) = match looked {
+        Some(Looked { key, raw }) => (key, Some(raw)),
+        None => match find_key(cfg, route, req.headers()) {
+            KeyLookup::Found { key, .. } => (key, None),
+            KeyLookup::Missing if route.key_required => {
+                return Admit::Respond(
+                    Problem::new(
+                        Kind::KeyMissing,
+                        format!(
+                            "route `{}/{}` has side effects and needs an {} header{}",
+                            target.upstream.name,
+                            route.name,
+                            cfg.identity.key_header,
+                            if cfg.identity.derive_from.is_empty() {
+                                String::new()
+                            } else {
+                                " or the derive_from headers".to_string()
+                            }
+                        ),
+                    )
+                    .into_response(),
+                );
+            }
+            KeyLookup::Missing => return Admit::Unprotected(req),
+            KeyLookup::Invalid(why) => {
+                return Admit::Respond(Problem::new(Kind::KeyInvalid, why).into_response())
+            }
+        },
     };
     let (parts, incoming) = req.into_parts();
     let body = match read_body(incoming, &parts, cfg.limits.max_body_bytes).await {
         Ok(b) => b,
         Err(resp) => return Admit::Respond(*resp),
     };
-    // A byte-for-byte retry of a delivered call is answered from memory: one digest over
-    // the key, the tenant headers and the request names both its execution id and its
-    // arguments, so nothing else is derived first.
-    let scope = CallScope {
-        key: &key,
-        tenant_from: &cfg.identity.tenant_from,
+    let raw = match looked {
+        Some(raw) => raw,
+        None => {
+            let raw = replay_digest(
+                cfg,
+                target,
+                &key,
+                &request_parts(
+                    target,
+                    &parts.method,
+                    parts.uri.query(),
+                    &parts.headers,
+                    &body,
+                ),
+            );
+            if let Some(resp) = rt.shared.replays.replay(&raw, now_ms()) {
+                replayed_from_memory(proxy, rt, target, || {
+                    resp.headers()
+                        .get(EXECUTION_ID)
+                        .map_or(&[][..], |v| v.as_bytes())
+                });
+                return Admit::Respond(failpoint::on_answer(resp));
+            }
+            raw
+        }
     };
-    let raw = raw_digest(
-        &scope,
-        &request_parts(target, &parts, &body),
-        &route.fingerprint,
-    );
-    if let Some(resp) = rt.shared.replays.replay(&raw, now_ms()) {
-        tracing::info!(
-            execution_id = resp
-                .headers()
-                .get(EXECUTION_ID)
-                .and_then(|v| v.to_str().ok())
-                .unwrap_or(""),
-            from = "memory",
-            "replayed stored result"
-        );
-        rt.replay_counters(&proxy.metrics, target).replayed();
-        return Admit::Respond(failpoint::on_answer(resp));
-    }
     // identify
     let tenant = identity::tenant_scope(&parts.headers, &cfg.identity.tenant_from);
     let id = identity::execution_id(&tenant, &target.upstream.name, &route.name, &key);
@@ -139,52 +146,75 @@ pub async fn admit(
     })
 }
 
-/// A request the fast path read whole that repeats a delivered call byte for byte,
-/// answered from the replay cache as bytes ([`replay::ReplayCache::replay_raw`]) before it
-/// becomes an `http::Request`; `None` for any other, which goes on to [`admit`]. Its key
-/// and raw digest are read exactly as `admit` reads them (the same functions, through
+/// What [`replay_raw`] made of a request.
+// Returned once and matched at once; boxing the answer would add an allocation per replay.
+#[allow(clippy::large_enum_variant)]
+pub enum RawReplay {
+    /// A byte-for-byte retry of a delivered call, answered from memory.
+    Answered(RawAnswer),
+    /// Keyed, and not in memory: [`admit`] goes on from here.
+    Missed(Looked),
+    /// Anything else (no key, a bad key, a body over the limit): [`admit`] judges it.
+    Declined,
+}
+
+/// A request the fast path read whole, looked up in the replay cache as bytes
+/// ([`replay::ReplayCache::replay_raw`]) before it becomes an `http::Request`. Its key and
+/// raw digest are derived exactly as [`admit`] derives them (the same functions, through
 /// [`HeaderLookup`](crate::wire::headers::HeaderLookup)), so what hits here would have hit
-/// there, and what is declined here (no key, a bad key, a body over the limit, a miss)
-/// gets `admit`'s answer.
-pub fn replay_raw(
+/// there; a miss hands them on to `admit`.
+pub fn replay_raw(proxy: &Proxy, rt: &Runtime, target: &Target<'_>, req: &RawRequest) -> RawReplay {
+    let cfg = &rt.config;
+    let KeyLookup::Found { key, .. } = find_key(cfg, target.route, req) else {
+        return RawReplay::Declined;
+    };
+    if req.body.len() > cfg.limits.max_body_bytes {
+        return RawReplay::Declined;
+    }
+    let parts = request_parts(target, &req.method, req.uri.query(), req, &req.body);
+    let raw = replay_digest(cfg, target, &key, &parts);
+    let Some(mut answer) = rt.shared.replays.replay_raw(&raw, now_ms()) else {
+        return RawReplay::Missed(Looked { key, raw });
+    };
+    replayed_from_memory(proxy, rt, target, || replay::execution_id_of(&answer));
+    answer.body = failpoint::on_answer_body(answer.body);
+    RawReplay::Answered(answer)
+}
+
+/// The request's idempotency key (`identity::find_key` under this config).
+fn find_key<H: HeaderLookup + ?Sized>(cfg: &Config, route: &Route, headers: &H) -> KeyLookup {
+    identity::find_key(headers, &cfg.identity, route, cfg.limits.max_key_bytes)
+}
+
+/// The digest a byte-for-byte retry is found by in the replay cache: one digest over the
+/// key, the tenant headers and the request names both its execution id and its arguments,
+/// so nothing else is derived first (`fingerprint::raw_digest`).
+fn replay_digest<H: HeaderLookup + ?Sized>(
+    cfg: &Config,
+    target: &Target<'_>,
+    key: &str,
+    parts: &RequestParts<'_, H>,
+) -> RawDigest {
+    let scope = CallScope {
+        key,
+        tenant_from: &cfg.identity.tenant_from,
+    };
+    raw_digest(&scope, parts, &target.route.fingerprint)
+}
+
+/// Log and count a replay answered from memory (`id` is read only when the log is on).
+fn replayed_from_memory<'a>(
     proxy: &Proxy,
     rt: &Runtime,
     target: &Target<'_>,
-    req: &RawRequest,
-) -> Option<RawAnswer> {
-    let cfg = &rt.config;
-    let route = target.route;
-    let KeyLookup::Found { key, .. } =
-        identity::find_key(req, &cfg.identity, route, cfg.limits.max_key_bytes)
-    else {
-        return None;
-    };
-    if req.body.len() > cfg.limits.max_body_bytes {
-        return None;
-    }
-    let scope = CallScope {
-        key: &key,
-        tenant_from: &cfg.identity.tenant_from,
-    };
-    let parts = RequestParts {
-        method: &req.method,
-        upstream: &target.upstream.name,
-        route: &route.name,
-        path: &target.rel_path,
-        query: req.uri.query(),
-        headers: req,
-        body: &req.body,
-    };
-    let raw = raw_digest(&scope, &parts, &route.fingerprint);
-    let mut answer = rt.shared.replays.replay_raw(&raw, now_ms())?;
+    id: impl FnOnce() -> &'a [u8],
+) {
     tracing::info!(
-        execution_id = std::str::from_utf8(replay::execution_id_of(&answer)).unwrap_or(""),
+        execution_id = std::str::from_utf8(id()).unwrap_or(""),
         from = "memory",
         "replayed stored result"
     );
     rt.replay_counters(&proxy.metrics, target).replayed();
-    answer.body = failpoint::on_answer_body(answer.body);
-    Some(answer)
 }
 
 /// Copies of the request's head and body in allocations of their own. The listener (its
@@ -206,14 +236,20 @@ fn detach(mut parts: Parts, body: &Bytes) -> (Parts, Bytes) {
     (parts, Bytes::copy_from_slice(body))
 }
 
-fn request_parts<'a>(target: &'a Target<'_>, parts: &'a Parts, body: &'a [u8]) -> RequestParts<'a> {
+fn request_parts<'a, H: ?Sized>(
+    target: &'a Target<'_>,
+    method: &'a http::Method,
+    query: Option<&'a str>,
+    headers: &'a H,
+    body: &'a [u8],
+) -> RequestParts<'a, H> {
     RequestParts {
-        method: &parts.method,
+        method,
         upstream: &target.upstream.name,
         route: &target.route.name,
         path: &target.rel_path,
-        query: parts.uri.query(),
-        headers: &parts.headers,
+        query,
+        headers,
         body,
     }
 }
@@ -254,7 +290,13 @@ pub async fn run(
         raw,
     } = admitted;
     let args = args_hash(
-        &request_parts(target, &parts, &body),
+        &request_parts(
+            target,
+            &parts.method,
+            parts.uri.query(),
+            &parts.headers,
+            &body,
+        ),
         &target.route.fingerprint,
     );
     let call = Call {
