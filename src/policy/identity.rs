@@ -90,9 +90,9 @@ pub fn find_key<H: HeaderLookup + ?Sized>(
     }
     let mut parts = Vec::with_capacity(id.derive_from.len() + 2);
     for h in &id.derive_from {
-        match headers.text(h) {
+        match headers.values(h).next() {
             None => return KeyLookup::Missing,
-            Some(v) => match v.map(str::trim) {
+            Some(v) => match visible_ascii(v).map(str::trim) {
                 Some(s) if !s.is_empty() => parts.push(s.to_string()),
                 _ => {
                     return KeyLookup::Invalid(format!("header {h} is empty or not visible ASCII"))
@@ -284,6 +284,20 @@ mod tests {
             b"POST /send HTTP/1.1\r\nX-Operation-Id: op\r\nX-Model-Round: 3\r\nX-Tool-Call-Id: c\r\n\r\n",
             b"POST /send HTTP/1.1\r\nX-Operation-Id: op\r\nX-Model-Round: \xff\r\nX-Tool-Call-Id: c\r\n\r\n",
         ];
+        fn parts<'a, H: ?Sized>(
+            req: &'a crate::wire::raw::RawRequest,
+            headers: &'a H,
+        ) -> RequestParts<'a, H> {
+            RequestParts {
+                method: &req.method,
+                upstream: "mail",
+                route: "send_email",
+                path: "/send",
+                query: req.uri.query(),
+                headers,
+                body: &req.body,
+            }
+        }
         for head in heads {
             let raw = crate::wire::raw::request(head, b"{}");
             let map = crate::wire::raw::request(head, b"{}")
@@ -304,20 +318,6 @@ mod tests {
                 key: "k",
                 tenant_from: &tenant_from,
             };
-            fn parts<'a, H: ?Sized>(
-                req: &'a crate::wire::raw::RawRequest,
-                headers: &'a H,
-            ) -> RequestParts<'a, H> {
-                RequestParts {
-                    method: &req.method,
-                    upstream: "mail",
-                    route: "send_email",
-                    path: "/send",
-                    query: req.uri.query(),
-                    headers,
-                    body: &req.body,
-                }
-            }
             assert_eq!(
                 raw_digest(&scope, &parts(&raw, &raw), &spec),
                 raw_digest(&scope, &parts(&raw, map.headers()), &spec),

@@ -137,12 +137,6 @@ pub fn ends_here(name: &[u8], named: &[&[u8]]) -> bool {
 pub trait HeaderLookup {
     /// The values of the field `name`, in the order they came.
     fn values<'a>(&'a self, name: &'a HeaderName) -> impl Iterator<Item = &'a [u8]> + 'a;
-
-    /// The first value of `name`, as `HeaderValue::to_str` reads it: `None` if the field
-    /// is missing, `Some(None)` if its value is not visible ASCII.
-    fn text<'a>(&'a self, name: &'a HeaderName) -> Option<Option<&'a str>> {
-        self.values(name).next().map(visible_ascii)
-    }
 }
 
 impl HeaderLookup for HeaderMap {
