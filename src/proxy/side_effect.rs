@@ -110,18 +110,7 @@ pub async fn admit(
     let raw = match looked {
         Some(raw) => raw,
         None => {
-            let raw = replay_digest(
-                cfg,
-                target,
-                &key,
-                &request_parts(
-                    target,
-                    &parts.method,
-                    parts.uri.query(),
-                    &parts.headers,
-                    &body,
-                ),
-            );
+            let raw = replay_digest(cfg, target, &key, &map_parts(target, &parts, &body));
             if let Some(resp) = rt.shared.replays.replay(&raw, now_ms()) {
                 replayed_from_memory(proxy, rt, target, || {
                     resp.headers()
@@ -236,6 +225,17 @@ fn detach(mut parts: Parts, body: &Bytes) -> (Parts, Bytes) {
     (parts, Bytes::copy_from_slice(body))
 }
 
+/// [`request_parts`] of an `http::Request`'s parts.
+fn map_parts<'a>(target: &'a Target<'_>, parts: &'a Parts, body: &'a [u8]) -> RequestParts<'a> {
+    request_parts(
+        target,
+        &parts.method,
+        parts.uri.query(),
+        &parts.headers,
+        body,
+    )
+}
+
 fn request_parts<'a, H: ?Sized>(
     target: &'a Target<'_>,
     method: &'a http::Method,
@@ -289,16 +289,7 @@ pub async fn run(
         tenant,
         raw,
     } = admitted;
-    let args = args_hash(
-        &request_parts(
-            target,
-            &parts.method,
-            parts.uri.query(),
-            &parts.headers,
-            &body,
-        ),
-        &target.route.fingerprint,
-    );
+    let args = args_hash(&map_parts(target, &parts, &body), &target.route.fingerprint);
     let call = Call {
         proxy,
         rt,
