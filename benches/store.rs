@@ -225,7 +225,8 @@ async fn prefill(cfg: &Config, from: u64, to: u64) -> anyhow::Result<serde_json:
             body: &body,
         },
         &route.fingerprint,
-    );
+    )
+    .map_err(|a| anyhow::anyhow!("ambiguous bench body at {}", a.0))?;
     let start = Instant::now();
     let results: Vec<anyhow::Result<()>> = stream::iter(from + 1..=to)
         .map(|i| {

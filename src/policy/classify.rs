@@ -1,8 +1,12 @@
 //! Classification: which upstream and route a request belongs to, and therefore whether
 //! it is a side effect. Mounts are matched by longest path-segment prefix; routes inside a
-//! mount by matchit (axum's router) path templates such as `/v1/customers/{id}`.
+//! mount by matchit (axum's router) path templates such as `/v1/customers/{id}`. Both are
+//! matched on the normalised path (`policy::path`), and the path a target carries, the one
+//! that is fingerprinted and forwarded, is the path that matched.
 
 use http::Method;
+
+use crate::policy::path;
 
 use crate::config::{Class, Issue, Route, Unmatched, Upstream};
 
@@ -31,6 +35,8 @@ pub enum Classified<'a> {
     Unmatched {
         upstream: &'a Upstream,
     },
+    /// The path has no normal form (a broken percent-encoding); refused with 400.
+    BadPath(path::BadPath),
     Matched(Target<'a>),
 }
 
@@ -40,7 +46,9 @@ pub struct Target<'a> {
     pub upstream: &'a Upstream,
     pub route_ref: RouteRef,
     pub route: &'a Route,
-    /// Path after the mount (always starts with `/`).
+    /// Path after the mount (always starts with `/`), normalised (`policy::path`) and, for
+    /// a declared route, spelt with or without a trailing slash as its template is: what
+    /// is fingerprinted and what is forwarded.
     pub rel_path: String,
     pub params: Vec<(String, String)>,
 }
@@ -169,7 +177,7 @@ impl RouteTable {
         Ok(RouteTable { mounts, routers })
     }
 
-    /// Classify one request. `path` is the request path without query.
+    /// Classify one request. `path` is the request path without query, as received.
     pub fn classify<'a>(
         &self,
         upstreams: &'a [Upstream],
@@ -177,6 +185,10 @@ impl RouteTable {
         method: &Method,
         path: &str,
     ) -> Classified<'a> {
+        let path = match path::normalise(path) {
+            Ok(p) => p,
+            Err(bad) => return Classified::BadPath(bad),
+        };
         let Some((mount, ui)) = self.mounts.iter().find(|(m, _)| {
             path.strip_prefix(m.as_str())
                 .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
@@ -185,32 +197,47 @@ impl RouteTable {
         };
         let upstream = &upstreams[*ui];
         let rel = &path[mount.len()..];
-        let rel_path = if rel.is_empty() {
+        let mut rel_path = if rel.is_empty() {
             "/".to_string()
         } else {
             rel.to_string()
         };
-        if let Ok(m) = self.routers[*ui].at(&rel_path) {
-            let hit = m.value.iter().copied().find(|&ri| {
+        let declared = |rel_path: &str| {
+            let m = self.routers[*ui].at(rel_path).ok()?;
+            let ri = m.value.iter().copied().find(|&ri| {
                 upstream.routes[ri].method.as_ref().is_none_or(|rm| {
                     rm == method || (*method == Method::HEAD && *rm == Method::GET)
                 })
-            });
-            if let Some(ri) = hit {
-                let params = m
-                    .params
-                    .iter()
-                    .map(|(k, v)| (k.to_string(), v.to_string()))
-                    .collect();
-                return Classified::Matched(Target {
-                    upstream_index: *ui,
-                    upstream,
-                    route_ref: RouteRef::Declared(ri),
-                    route: &upstream.routes[ri],
-                    rel_path,
-                    params,
-                });
+            })?;
+            let params: Vec<(String, String)> = m
+                .params
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            Some((ri, params))
+        };
+        // A trailing slash does not make another route: `/send/` is the route `/send`
+        // (and `/send` the route `/send/`), spelt as the template is when forwarded.
+        let mut hit = declared(&rel_path);
+        if hit.is_none() && rel_path.len() > 1 {
+            let toggled = match rel_path.strip_suffix('/') {
+                Some(stripped) => stripped.to_string(),
+                None => format!("{rel_path}/"),
+            };
+            hit = declared(&toggled);
+            if hit.is_some() {
+                rel_path = toggled;
             }
+        }
+        if let Some((ri, params)) = hit {
+            return Classified::Matched(Target {
+                upstream_index: *ui,
+                upstream,
+                route_ref: RouteRef::Declared(ri),
+                route: &upstream.routes[ri],
+                rel_path,
+                params,
+            });
         }
         if unmatched == Unmatched::Reject {
             return Classified::Unmatched { upstream };

@@ -2,6 +2,7 @@
 //! key → `ExecutionId`), and what exactly it asked for (`ArgsHash`). Types, not strings, so
 //! a tenant hash can never be passed where an execution id is expected.
 
+use std::borrow::Cow;
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
@@ -67,6 +68,11 @@ pub enum KeyLookup {
 
 /// Find the logical key of a request (SPEC section 4): the client's key header, else the
 /// `derive_from` headers (all of them must be present) joined with the tool identity.
+///
+/// A client key is 1 to `max_key_bytes` visible ASCII characters (0x21-0x7E), read as an
+/// RFC 8941 string when it is quoted (`"abc"` is the key `abc`, as the IETF draft
+/// defines the header; `\"` and `\\` are its escapes). A derived key joins its parts
+/// unambiguously ([`join_parts`]).
 pub fn find_key<H: HeaderLookup + ?Sized>(
     headers: &H,
     id: &IdentityConfig,
@@ -78,48 +84,100 @@ pub fn find_key<H: HeaderLookup + ?Sized>(
         if values.next().is_some() {
             return KeyLookup::Invalid(format!("more than one {} header", id.key_header));
         }
-        return check_key(
-            visible_ascii(v).map(str::trim),
-            max_key_bytes,
-            KeySource::Client,
-            id.key_header.as_str(),
-        );
+        let what = id.key_header.as_str();
+        let Some(v) = visible_ascii(v).map(str::trim) else {
+            return not_visible(what);
+        };
+        let key = match v.strip_prefix('"') {
+            Some(quoted) => match sf_string(quoted) {
+                Some(k) => Cow::Owned(k),
+                None => {
+                    return KeyLookup::Invalid(format!(
+                        "{what} starts with `\"` but is not a valid RFC 8941 string"
+                    ))
+                }
+            },
+            None => Cow::Borrowed(v),
+        };
+        return check_key(&key, max_key_bytes, KeySource::Client, what);
     }
     if id.derive_from.is_empty() {
         return KeyLookup::Missing;
     }
-    let mut parts = Vec::with_capacity(id.derive_from.len() + 2);
+    let mut parts: Vec<&str> = Vec::with_capacity(id.derive_from.len() + 2);
     for h in &id.derive_from {
         match headers.values(h).next() {
             None => return KeyLookup::Missing,
             Some(v) => match visible_ascii(v).map(str::trim) {
-                Some(s) if !s.is_empty() => parts.push(s.to_string()),
+                Some(s) if !s.is_empty() => parts.push(s),
                 _ => {
                     return KeyLookup::Invalid(format!("header {h} is empty or not visible ASCII"))
                 }
             },
         }
     }
-    parts.push(route.name.clone());
-    parts.push(route.tool_version.clone());
-    let key = parts.join(":");
-    check_key(Some(&key), max_key_bytes, KeySource::Derived, "derived key")
+    parts.push(&route.name);
+    parts.push(&route.tool_version);
+    let key = join_parts(&parts);
+    check_key(&key, max_key_bytes, KeySource::Derived, "derived key")
 }
 
-fn check_key(v: Option<&str>, max: usize, source: KeySource, what: &str) -> KeyLookup {
-    match v {
-        None => KeyLookup::Invalid(format!(
-            "{what} is not a valid header string (visible ASCII only)"
-        )),
-        Some("") => KeyLookup::Invalid(format!("{what} is empty")),
-        Some(k) if k.len() > max => KeyLookup::Invalid(format!(
+/// The body of an RFC 8941 sf-string after its opening quote: printable ASCII up to the
+/// closing quote, which must end the value; `\"` and `\\` are the only escapes.
+fn sf_string(quoted: &str) -> Option<String> {
+    let mut out = String::with_capacity(quoted.len());
+    let mut chars = quoted.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => match chars.next()? {
+                e @ ('"' | '\\') => out.push(e),
+                _ => return None,
+            },
+            '"' => return chars.next().is_none().then_some(out),
+            ' '..='~' => out.push(c),
+            _ => return None,
+        }
+    }
+    None
+}
+
+/// Joins derived-key parts with `:` so that no two different part lists give one key: in
+/// each part `%`, `:` and the space are percent-encoded first (`op:1` becomes `op%3A1`).
+/// Parts without them, which is every id the orchestrators we know send, read as before:
+/// `op_77:round_3:call_123:send_email:v1`.
+pub fn join_parts(parts: &[&str]) -> String {
+    let mut key = String::with_capacity(parts.iter().map(|p| p.len() + 1).sum());
+    for (i, part) in parts.iter().enumerate() {
+        if i > 0 {
+            key.push(':');
+        }
+        for c in part.chars() {
+            match c {
+                '%' => key.push_str("%25"),
+                ':' => key.push_str("%3A"),
+                ' ' => key.push_str("%20"),
+                c => key.push(c),
+            }
+        }
+    }
+    key
+}
+
+fn not_visible(what: &str) -> KeyLookup {
+    KeyLookup::Invalid(format!(
+        "{what} is not a valid key (visible ASCII only, no spaces)"
+    ))
+}
+
+fn check_key(k: &str, max: usize, source: KeySource, what: &str) -> KeyLookup {
+    match k {
+        "" => KeyLookup::Invalid(format!("{what} is empty")),
+        k if k.len() > max => KeyLookup::Invalid(format!(
             "{what} is {} bytes, longer than the {max}-byte limit",
             k.len()
         )),
-        Some(k) if !k.bytes().all(|b| (0x20..0x7f).contains(&b)) => KeyLookup::Invalid(format!(
-            "{what} is not a valid header string (visible ASCII only)"
-        )),
-        Some(k) => KeyLookup::Found {
+        k if !k.bytes().all(|b| (0x21..0x7f).contains(&b)) => not_visible(what),
+        k => KeyLookup::Found {
             key: k.to_string(),
             source,
         },

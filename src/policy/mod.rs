@@ -5,5 +5,6 @@
 pub mod classify;
 pub mod fingerprint;
 pub mod identity;
+pub mod path;
 pub mod reconcile;
 pub mod state;

@@ -248,7 +248,8 @@ impl Proxy {
     }
 }
 
-/// The answer to a request no route takes: `404 no-route` or `404 route-unmatched`.
+/// The answer to a request no route takes: `404 no-route`, `404 route-unmatched`, or `400
+/// bad-request` for a path with no normal form.
 fn unrouted(classified: &Classified<'_>, method: &http::Method, path: &str) -> Response<ProxyBody> {
     match classified {
         Classified::Unmatched { upstream } => Problem::new(
@@ -257,6 +258,10 @@ fn unrouted(classified: &Classified<'_>, method: &http::Method, path: &str) -> R
                 "no route of upstream `{}` matches {method} {path} and `unmatched: reject` is set",
                 upstream.name,
             ),
+        ),
+        Classified::BadPath(bad) => Problem::new(
+            Kind::BadRequest,
+            format!("{}; nothing was forwarded", bad.0),
         ),
         _ => Problem::new(Kind::NoRoute, format!("no upstream is mounted at {path}")),
     }

@@ -21,7 +21,9 @@ use crate::config::{Concurrent, Config, On5xx, Route};
 use crate::failpoint;
 use crate::metrics::{Metrics, RouteLabels};
 use crate::policy::classify::Target;
-use crate::policy::fingerprint::{args_hash, raw_digest, CallScope, RawDigest, RequestParts};
+use crate::policy::fingerprint::{
+    args_hash, raw_digest, AmbiguousBody, CallScope, RawDigest, RequestParts,
+};
 use crate::policy::identity::{self, ArgsHash, ExecutionId, KeyLookup, TenantScope};
 use crate::policy::reconcile::{self, Plan, Verdict};
 use crate::policy::state::{Event, State};
@@ -254,7 +256,8 @@ fn request_parts<'a, H: ?Sized>(
     }
 }
 
-/// A side effect forwarded without a key (the route allows it): no record, no replay.
+/// A side effect forwarded without a key (the route allows it): no record, no replay; the
+/// answer says `Idempotency-Status: unprotected`.
 pub async fn unprotected(
     proxy: &Proxy,
     rt: &Runtime,
@@ -269,7 +272,13 @@ pub async fn unprotected(
         .unprotected
         .get_or_create(&Metrics::labels(&target.upstream.name, &target.route.name))
         .inc();
-    passthrough::forward(rt, client, target, req, peer, false).await
+    let mut answer = passthrough::forward(rt, client, target, req, peer, false).await;
+    // The caller sees that this call was not protected (SPEC section 4).
+    answer.headers_mut().insert(
+        crate::wire::headers::STATUS,
+        HeaderValue::from_static("unprotected"),
+    );
+    answer
 }
 
 /// Run an admitted call under its execution record: fingerprint, claim or decide, and
@@ -289,7 +298,19 @@ pub async fn run(
         tenant,
         raw,
     } = admitted;
-    let args = args_hash(&map_parts(target, &parts, &body), &target.route.fingerprint);
+    let args = match args_hash(&map_parts(target, &parts, &body), &target.route.fingerprint) {
+        Ok(args) => args,
+        Err(AmbiguousBody(at)) => {
+            return Problem::new(
+                Kind::BodyAmbiguous,
+                format!(
+                    "the JSON body names the member {at} more than once; which value the \
+                     downstream would read is not knowable, so nothing was recorded or forwarded"
+                ),
+            )
+            .into_response()
+        }
+    };
     let call = Call {
         proxy,
         rt,

@@ -20,6 +20,9 @@ pub enum Kind {
     /// A retry of an execution whose outcome is still unknown (409, not re-sent).
     OutcomeUnknownPending,
     BodyTooLarge,
+    /// A JSON body with a repeated object member name: the proxy's reading and the
+    /// downstream's could differ.
+    BodyAmbiguous,
     ResponseTooLarge,
     ApprovalRequired,
     Rejected,
@@ -53,6 +56,7 @@ impl Kind {
                 "outcome-unknown"
             }
             Kind::BodyTooLarge => "body-too-large",
+            Kind::BodyAmbiguous => "body-ambiguous",
             Kind::ResponseTooLarge => "response-too-large",
             Kind::ApprovalRequired => "approval-required",
             Kind::Rejected => "rejected",
@@ -75,7 +79,9 @@ impl Kind {
 
     pub fn status(self) -> StatusCode {
         match self {
-            Kind::KeyMissing | Kind::KeyInvalid | Kind::BadRequest => StatusCode::BAD_REQUEST,
+            Kind::KeyMissing | Kind::KeyInvalid | Kind::BodyAmbiguous | Kind::BadRequest => {
+                StatusCode::BAD_REQUEST
+            }
             Kind::KeyMismatch => StatusCode::UNPROCESSABLE_ENTITY,
             Kind::InFlight
             | Kind::Cancelled
@@ -108,6 +114,7 @@ impl Kind {
                 "Outcome unknown"
             }
             Kind::BodyTooLarge => "Request body too large",
+            Kind::BodyAmbiguous => "Request body is ambiguous",
             Kind::ResponseTooLarge => "Upstream response too large",
             Kind::ApprovalRequired => "Approval required",
             Kind::Rejected => "Execution rejected",
