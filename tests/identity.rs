@@ -120,7 +120,11 @@ async fn derived_keys_with_colons_do_not_collide() {
     .await;
     assert_eq!(a.status, StatusCode::CREATED, "{a:?}");
     assert_eq!(b.status, StatusCode::CREATED, "{b:?}");
-    assert_eq!(b.header("idempotent-replayed"), None, "not the first call's answer");
+    assert_eq!(
+        b.header("idempotent-replayed"),
+        None,
+        "not the first call's answer"
+    );
     assert_ne!(
         a.header("idempotency-execution-id"),
         b.header("idempotency-execution-id")
@@ -147,7 +151,11 @@ async fn big_numbers_are_compared_exactly() {
         let a = post(&c, &url, &k, &format!(r#"{{"id":{first}}}"#)).await;
         assert_eq!(a.status, StatusCode::CREATED, "{a:?}");
         let b = post(&c, &url, &k, &format!(r#"{{"id":{changed}}}"#)).await;
-        assert_eq!(b.status, StatusCode::UNPROCESSABLE_ENTITY, "{first} vs {changed}");
+        assert_eq!(
+            b.status,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "{first} vs {changed}"
+        );
         assert_eq!(b.problem_type(), "urn:idemproxy:problem:key-mismatch");
     }
     assert_eq!(ds.commits(), pairs.len());
@@ -206,7 +214,11 @@ async fn repeated_fields_keep_their_order() {
     let same = post(&c, &proxy.url("/mail/send?b=0&a=1&a=2"), &k, "{}").await;
     assert_eq!(same.header("idempotent-replayed"), Some("true"), "{same:?}");
     let swapped = post(&c, &proxy.url("/mail/send?a=2&a=1&b=0"), &k, "{}").await;
-    assert_eq!(swapped.status, StatusCode::UNPROCESSABLE_ENTITY, "{swapped:?}");
+    assert_eq!(
+        swapped.status,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "{swapped:?}"
+    );
     let form = |key: &'static str, body: &'static str| {
         let c = c.clone();
         let url = proxy.url("/mail/send");
@@ -225,7 +237,10 @@ async fn repeated_fields_keep_their_order() {
             .await
         }
     };
-    assert_eq!(form("k-form", "to=a&to=b").await.status, StatusCode::CREATED);
+    assert_eq!(
+        form("k-form", "to=a&to=b").await.status,
+        StatusCode::CREATED
+    );
     assert_eq!(
         form("k-form", "to=b&to=a").await.status,
         StatusCode::UNPROCESSABLE_ENTITY

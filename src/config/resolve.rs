@@ -67,6 +67,22 @@ impl Validator {
         });
     }
 
+    /// A mount or route template that no request could match: requests are matched on
+    /// their normalised path (`policy::path`), so these must be written normalised too.
+    fn normal_path(&mut self, path: &str, p: &str) {
+        match crate::policy::path::normalise(p) {
+            Ok(n) if n == p => {}
+            Ok(n) => self.err(
+                path,
+                format!(
+                    "`{p}` is not a normalised path and no request could match it \
+                     (requests are matched on normalised paths); write `{n}`"
+                ),
+            ),
+            Err(bad) => self.err(path, format!("`{p}`: {}", bad.0)),
+        }
+    }
+
     fn addr(&mut self, path: &str, v: Option<&str>, default: &str) -> SocketAddr {
         let s = v.unwrap_or(default);
         match s.parse() {
@@ -443,6 +459,7 @@ impl Validator {
         let mount = match u.mount.as_deref() {
             None => format!("/{name}"),
             Some(m) if m.starts_with('/') && !m.contains(['?', '#', '{', '}']) => {
+                self.normal_path(&format!("{path}.mount"), m);
                 m.trim_end_matches('/').to_string()
             }
             Some(m) => {
@@ -559,7 +576,10 @@ impl Validator {
             },
         };
         let rpath = match m.path {
-            Some(p) if p.starts_with('/') && !p.contains('?') => p,
+            Some(p) if p.starts_with('/') && !p.contains('?') => {
+                self.normal_path(&format!("{path}.match.path"), &p);
+                p
+            }
             Some(p) => {
                 self.err(
                     format!("{path}.match.path"),

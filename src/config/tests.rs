@@ -152,3 +152,20 @@ fn redb_page_cache_is_set_checked_and_redb_only() {
         "{text}"
     );
 }
+
+#[test]
+fn mounts_and_templates_must_be_normalised_paths() {
+    let text = errors(
+        "upstreams:\n  - name: mail\n    url: http://127.0.0.1:1\n    mount: /a//mail\n    routes:\n      - { name: a, match: { method: POST, path: /x/./send } }\n      - { name: b, match: { method: POST, path: /%73end } }\n      - { name: c, match: { method: POST, path: /bad%zz } }\n",
+    );
+    assert!(
+        text.contains("cfg.yaml: upstreams[0].mount: `/a//mail` is not a normalised path"),
+        "{text}"
+    );
+    assert!(text.contains("write `/x/send`"), "{text}");
+    assert!(text.contains("upstreams[0].routes[1].match.path: `/%73end` is not a normalised path and no request could match it (requests are matched on normalised paths); write `/send`"), "{text}");
+    assert!(
+        text.contains("upstreams[0].routes[2].match.path: `/bad%zz`: a `%` in the path"),
+        "{text}"
+    );
+}

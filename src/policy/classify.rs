@@ -326,6 +326,51 @@ upstreams:
     }
 
     #[test]
+    fn routes_match_the_normalised_path_spelt_as_their_template() {
+        let yaml = YAML.replace(
+            "      - { name: search,",
+            "      - { name: dir, match: { method: POST, path: /dir/ } }\n      - { name: search,",
+        );
+        let cfg = from_yaml(&yaml, Path::new("t.yaml")).expect("valid");
+        for (path, route, rel) in [
+            ("/mail/send", "send_email", "/send"),
+            ("/mail/send/", "send_email", "/send"),
+            ("/mail//send//", "send_email", "/send"),
+            ("/x/../mail/./%73end", "send_email", "/send"),
+            ("/mail/dir", "dir", "/dir/"),
+            ("/mail/dir/", "dir", "/dir/"),
+        ] {
+            match classify(&cfg, Method::POST, path) {
+                Classified::Matched(t) => {
+                    assert_eq!(
+                        (t.route.name.as_str(), t.rel_path.as_str()),
+                        (route, rel),
+                        "{path}"
+                    )
+                }
+                other => panic!("{path}: {other:?}"),
+            }
+        }
+        match classify(&cfg, Method::GET, "/mail/messages/%6d1/") {
+            Classified::Matched(t) => {
+                assert_eq!(t.route.name, "get_message");
+                assert_eq!(t.params, vec![("id".into(), "m1".into())]);
+                assert_eq!(t.rel_path, "/messages/m1");
+            }
+            other => panic!("{other:?}"),
+        }
+        // Undeclared paths keep their (normalised) spelling, trailing slash included.
+        match classify(&cfg, Method::POST, "/mail/other//") {
+            Classified::Matched(t) => assert_eq!(t.rel_path, "/other/"),
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            classify(&cfg, Method::POST, "/mail/s%zz"),
+            Classified::BadPath(_)
+        ));
+    }
+
+    #[test]
     fn reject_mode_and_no_upstream() {
         let yaml = YAML
             .replace("upstreams:", "unmatched: reject\nupstreams:")

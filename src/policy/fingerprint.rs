@@ -1245,4 +1245,155 @@ mod tests {
         assert_ne!(a.h(), b.h());
         assert_eq!(Req::json("{}").h(), h, "deterministic");
     }
+
+    // ---- properties: spelling never changes the canonical form, a value always does ----
+
+    mod properties {
+        use super::super::canonical_json;
+        use proptest::prelude::*;
+
+        /// A JSON value by meaning: numbers as (sign, digits, exponent), members unique.
+        #[derive(Clone, Debug)]
+        enum J {
+            Null,
+            Bool(bool),
+            Num { neg: bool, digits: String, exp: i32 },
+            Str(String),
+            Arr(Vec<J>),
+            Obj(Vec<(String, J)>),
+        }
+
+        fn number() -> impl Strategy<Value = J> {
+            (any::<bool>(), "[1-9][0-9]{0,24}", -30i32..30).prop_map(|(neg, digits, exp)| J::Num {
+                neg,
+                digits,
+                exp,
+            })
+        }
+
+        fn value() -> impl Strategy<Value = J> {
+            let leaf = prop_oneof![
+                Just(J::Null),
+                any::<bool>().prop_map(J::Bool),
+                number(),
+                "[a-z\\u{e9}\\\\\"\\n ]{0,6}".prop_map(J::Str),
+            ];
+            leaf.prop_recursive(4, 32, 5, |inner| {
+                prop_oneof![
+                    prop::collection::vec(inner.clone(), 0..5).prop_map(J::Arr),
+                    prop::collection::btree_map("[a-z]{1,3}", inner, 0..5)
+                        .prop_map(|m| J::Obj(m.into_iter().collect())),
+                ]
+            })
+        }
+
+        /// One way of writing a number: `digits` × 10^`exp`, moved, padded and signed as
+        /// `style` says. Every style has the same exact value.
+        fn spell_number(neg: bool, digits: &str, exp: i32, style: u8) -> String {
+            let sign = if neg { "-" } else { "" };
+            let k = digits.len() as i32;
+            match style % 5 {
+                0 => format!("{sign}{digits}e{exp}"),
+                1 => format!("{sign}{digits}00E{}", exp - 2),
+                2 => format!("{sign}{}.{}0e+{}", &digits[..1], &digits[1..], exp + k - 1)
+                    .replace("e+-", "e-"),
+                3 if (0..8).contains(&exp) => format!("{sign}{digits}{}", "0".repeat(exp as usize)),
+                4 if (-8..0).contains(&exp) && (-exp) < k => {
+                    let point = (k + exp) as usize;
+                    format!("{sign}{}.{}000", &digits[..point], &digits[point..])
+                }
+                _ => format!("{sign}0.{digits}e{}", exp + k),
+            }
+        }
+
+        /// Writes `j` with member order rotated, whitespace and number spelling chosen by
+        /// `seed`: the same value, spelt differently for every seed.
+        fn spell(j: &J, seed: u64, out: &mut String) {
+            let ws = [" ", "", "\n", "\t "][(seed % 4) as usize];
+            match j {
+                J::Null => out.push_str("null"),
+                J::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+                J::Num { neg, digits, exp } => {
+                    out.push_str(&spell_number(*neg, digits, *exp, (seed % 7) as u8))
+                }
+                J::Str(s) => out.push_str(&serde_json::to_string(s).expect("string")),
+                J::Arr(items) => {
+                    out.push('[');
+                    for (i, item) in items.iter().enumerate() {
+                        if i > 0 {
+                            out.push(',');
+                        }
+                        out.push_str(ws);
+                        spell(item, seed.rotate_left(i as u32 + 3), out);
+                    }
+                    out.push(']');
+                }
+                J::Obj(members) => {
+                    out.push('{');
+                    let n = members.len().max(1);
+                    for i in 0..members.len() {
+                        let (name, value) = &members[(i + seed as usize) % n];
+                        if i > 0 {
+                            out.push(',');
+                        }
+                        out.push_str(ws);
+                        out.push_str(&serde_json::to_string(name).expect("name"));
+                        out.push(':');
+                        out.push_str(ws);
+                        spell(value, seed.rotate_left(i as u32 + 7), out);
+                    }
+                    out.push('}');
+                }
+            }
+        }
+
+        fn text(j: &J, seed: u64) -> String {
+            let mut s = String::new();
+            spell(j, seed, &mut s);
+            s
+        }
+
+        /// `digits` + 1, as decimal text.
+        fn plus_one(digits: &str) -> String {
+            let mut d: Vec<u8> = digits.bytes().collect();
+            for i in (0..d.len()).rev() {
+                if d[i] == b'9' {
+                    d[i] = b'0';
+                } else {
+                    d[i] += 1;
+                    return String::from_utf8(d).expect("ascii");
+                }
+            }
+            format!("1{}", String::from_utf8(d).expect("ascii"))
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+            #[test]
+            fn respelling_never_changes_the_canonical_form(j in value(), a: u64, b: u64) {
+                let (x, y) = (text(&j, a), text(&j, b));
+                let cx = canonical_json(x.as_bytes(), &[]).expect("valid");
+                let cy = canonical_json(y.as_bytes(), &[]).expect("valid");
+                prop_assert_eq!(cx, cy, "{} / {}", x, y);
+            }
+
+            #[test]
+            fn a_number_one_unit_apart_always_changes_it(
+                j in value(),
+                (neg, digits, exp) in (any::<bool>(), "[1-9][0-9]{0,24}", -30i32..30),
+                seed: u64,
+            ) {
+                let doc = |digits: String| J::Obj(vec![
+                    ("n".into(), J::Num { neg, digits, exp }),
+                    ("rest".into(), j.clone()),
+                ]);
+                let a = text(&doc(digits.clone()), seed);
+                let b = text(&doc(plus_one(&digits)), seed);
+                let ca = canonical_json(a.as_bytes(), &[]).expect("valid");
+                let cb = canonical_json(b.as_bytes(), &[]).expect("valid");
+                prop_assert_ne!(ca, cb, "{} / {}", a, b);
+            }
+        }
+    }
 }

@@ -383,4 +383,77 @@ mod tests {
             );
         }
     }
+
+    #[test]
+    fn derived_parts_join_unambiguously() {
+        assert_eq!(
+            join_parts(&["op_77", "round_3", "call_123", "send_email", "v1"]),
+            "op_77:round_3:call_123:send_email:v1"
+        );
+        assert_ne!(
+            join_parts(&["op:1", "2:3", "c"]),
+            join_parts(&["op", "1:2:3", "c"])
+        );
+        assert_eq!(join_parts(&["a%3Ab", "c d"]), "a%253Ab:c%20d");
+    }
+
+    #[test]
+    fn quoted_keys_are_rfc8941_strings() {
+        let c = cfg();
+        let r = &c.upstreams[0].routes[0];
+        let key = |v: &'static [u8]| {
+            let mut h = HeaderMap::new();
+            h.insert(
+                "idempotency-key",
+                HeaderValue::from_bytes(v).expect("header"),
+            );
+            find_key(&h, &c.identity, r, 16)
+        };
+        let found = |k: &str| KeyLookup::Found {
+            key: k.into(),
+            source: KeySource::Client,
+        };
+        assert_eq!(key(b"\"abc\""), found("abc"));
+        assert_eq!(key(b"abc"), found("abc"));
+        assert_eq!(key(b"\"a\\\"b\\\\c\""), found("a\"b\\c"));
+        // The limit counts the key, not its quotes.
+        assert_eq!(key(b"\"0123456789abcdef\""), found("0123456789abcdef"));
+        for bad in [
+            &b"a b"[..],
+            b"\"a b\"",
+            b"\"abc",
+            b"\"a\"b\"",
+            b"\"a\\x\"",
+            b"\"\"",
+            b"a\tb",
+            b"0123456789abcdefg",
+        ] {
+            assert!(
+                matches!(key(bad), KeyLookup::Invalid(_)),
+                "{}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+    }
+
+    mod properties {
+        use super::super::join_parts;
+        use proptest::prelude::*;
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+            /// Two different header tuples never derive the same key (a small alphabet
+            /// heavy in `:` and `%` makes near-collisions likely).
+            #[test]
+            fn different_tuples_never_share_a_key(
+                a in prop::collection::vec("[ab:%3A ]{0,5}", 1..5),
+                b in prop::collection::vec("[ab:%3A ]{0,5}", 1..5),
+            ) {
+                let ja = join_parts(&a.iter().map(String::as_str).collect::<Vec<_>>());
+                let jb = join_parts(&b.iter().map(String::as_str).collect::<Vec<_>>());
+                prop_assert_eq!(a == b, ja == jb, "{:?} / {:?} -> {} / {}", a, b, ja, jb);
+            }
+        }
+    }
 }
