@@ -127,7 +127,7 @@ pub async fn start(cfg: Config, store: Arc<dyn Store>) -> anyhow::Result<Running
     let listen = cfg.listen;
     // Refuse to start without the token before anything is bound or recovered.
     let admin = match &cfg.admin {
-        Some(a) => Some((a.listen, crate::admin::Token::from_env(&a.token_env)?)),
+        Some(a) => Some((a.listen, crate::admin::Tokens::from_env(&a.tokens)?)),
         None => None,
     };
     let lease = cfg.store.lease;
@@ -244,7 +244,7 @@ fn reload(proxy: &Proxy, source: &std::path::Path) {
                     old.config.limits.max_header_bytes
                 );
             }
-            let admin_of = |c: &Config| c.admin.as_ref().map(|a| (a.listen, a.token_env.clone()));
+            let admin_of = |c: &Config| c.admin.as_ref().map(|a| (a.listen, a.tokens.clone()));
             if admin_of(&cfg) != admin_of(&old.config) {
                 tracing::warn!(
                     "admin listener and token changes need a restart; keeping the running ones"

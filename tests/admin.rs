@@ -280,7 +280,7 @@ async fn an_approval_binds_the_execution_and_its_exact_arguments() {
     .await;
     assert_eq!(ok.status, StatusCode::OK, "{ok:?}");
     assert_eq!(ok.json()["state"], "approved");
-    assert_eq!(ok.json()["approval"]["by"], "alice");
+    assert_eq!(ok.json()["approval"]["by"], "alice (token admin)");
     assert_eq!(ok.json()["approval"]["args_hash"], hash.as_str());
     // The approval of one execution never lets another one through.
     assert_eq!(
@@ -339,12 +339,21 @@ async fn a_rejected_call_is_never_sent() {
     .await;
     assert_eq!(r.status, StatusCode::OK, "{r:?}");
     assert_eq!(r.json()["state"], "rejected");
-    assert_eq!(r.json()["note"], "rejected by bob: amount too high");
+    assert_eq!(
+        r.json()["note"],
+        "rejected by bob (token admin): amount too high"
+    );
     for _ in 0..2 {
         let retry = pay(&c, &proxy, "pay", "k-rej", body.clone()).await;
         assert_eq!(retry.status, StatusCode::FORBIDDEN, "{retry:?}");
         assert_eq!(retry.problem_type(), "urn:idemproxy:problem:rejected");
         assert_eq!(retry.json()["execution_id"], id.as_str());
+        // The reason reaches the agent, so it can tell the user why.
+        let detail = retry.json()["detail"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        assert!(detail.contains("amount too high"), "{detail}");
     }
     let approve = admin_post(
         &c,
@@ -359,7 +368,7 @@ async fn a_rejected_call_is_never_sent() {
         "a rejection is final: {approve:?}"
     );
     assert_eq!(approve.json()["state"], "rejected");
-    // An empty body is allowed for reject; the decision is recorded under a default name.
+    // An empty body is allowed for reject; the decision is recorded under the token's name.
     let (id2, _) = approval_of(&pay(&c, &proxy, "pay", "k-rej-2", body).await);
     let auth = bearer();
     let empty = post(
@@ -370,7 +379,7 @@ async fn a_rejected_call_is_never_sent() {
     )
     .await;
     assert_eq!(empty.status, StatusCode::OK, "{empty:?}");
-    assert_eq!(empty.json()["note"], "rejected by admin-api");
+    assert_eq!(empty.json()["note"], "rejected by admin");
     assert_eq!(ds.commits(), 0);
 }
 
@@ -519,7 +528,7 @@ async fn cancelling_before_anything_committed_stops_every_pending_call() {
     assert_eq!(op.status, StatusCode::OK);
     let op = op.json();
     assert_eq!(op["state"], "cancelled");
-    assert_eq!(op["mark"]["by"], "dave");
+    assert_eq!(op["mark"]["by"], "dave (token admin)");
     let states: Vec<&str> = op["executions"]
         .as_array()
         .expect("executions")
@@ -948,4 +957,145 @@ async fn plain_requests_stay_on_the_fast_path_and_hand_offs_are_counted() {
     let m = admin_get(&admin, &proxy, "/metrics").await;
     assert_eq!(counted(m).as_deref(), Some("1"));
     assert_eq!(ds.commits(), 6);
+}
+
+/// Scoped tokens (SPEC section 10): each endpoint needs its scope, a token without it gets
+/// 403 `forbidden` and changes nothing, and every decision records the token's name.
+#[tokio::test(flavor = "multi_thread")]
+async fn scoped_tokens_do_only_what_they_may() {
+    const VIEW: &str = "viewer-token-for-tests-0123456789";
+    const STOP: &str = "stop-button-token-for-tests-01234";
+    const APPROVER: &str = "approver-token-for-tests-01234567";
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ds = FakeDownstream::start().await;
+    let yaml = admin_config(dir.path(), &ds.url()).replace(
+        &format!("admin: {{ listen: 127.0.0.1:0, token_env: {ADMIN_TOKEN_ENV} }}"),
+        "admin:\n  listen: 127.0.0.1:0\n  tokens:\n    - { name: viewer, token_env: T_VIEW, scopes: [view] }\n    - { name: stop, token_env: T_STOP, scopes: [cancel] }\n    - { name: approver, token_env: T_APPROVE, scopes: [view, approve] }",
+    );
+    let proxy = ProxyProc::start_with_env(
+        dir.path(),
+        &yaml,
+        &[("T_VIEW", VIEW), ("T_STOP", STOP), ("T_APPROVE", APPROVER)],
+    );
+    let c = client();
+    let as_ = |token: &'static str| format!("Bearer {token}");
+    let call = |path: String, token: &'static str, body: Value| {
+        let c = c.clone();
+        let url = proxy.admin_url(&path);
+        let auth = as_(token);
+        async move {
+            post(
+                &c,
+                &url,
+                &[("authorization", auth.as_str())],
+                &body.to_string(),
+            )
+            .await
+        }
+    };
+    let body = json!({ "to": "acct_B", "amount": 10 });
+    let (id, hash) = approval_of(
+        &post(
+            &c,
+            &proxy.url("/pay/send"),
+            &[
+                TENANT,
+                ("idempotency-key", "k-scope"),
+                ("x-operation-id", "op_scope"),
+            ],
+            &body.to_string(),
+        )
+        .await,
+    );
+
+    // The viewer reads, and can do nothing else.
+    let auth = as_(VIEW);
+    let seen = send(
+        &c,
+        Method::GET,
+        &proxy.admin_url(&format!("/v1/executions/{id}")),
+        &[("authorization", auth.as_str())],
+        "",
+    )
+    .await;
+    assert_eq!(seen.status, StatusCode::OK, "{seen:?}");
+    for (path, what) in [
+        (format!("/v1/executions/{id}/approve"), "approve"),
+        (format!("/v1/executions/{id}/reject"), "approve"),
+        (format!("/v1/executions/{id}/resolve"), "resolve"),
+        ("/v1/operations/op_scope/cancel".to_string(), "cancel"),
+    ] {
+        let r = call(
+            path.clone(),
+            VIEW,
+            json!({ "args_hash": hash, "as": "committed" }),
+        )
+        .await;
+        assert_eq!(r.status, StatusCode::FORBIDDEN, "{path}: {r:?}");
+        assert_eq!(r.problem_type(), "urn:idemproxy:problem:forbidden");
+        assert_eq!(r.json()["scope"], what, "{path}");
+    }
+    // The Stop-button token cannot approve or even read.
+    let r = call(
+        format!("/v1/executions/{id}/approve"),
+        STOP,
+        json!({ "args_hash": hash }),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::FORBIDDEN, "{r:?}");
+    let auth = as_(STOP);
+    let r = send(
+        &c,
+        Method::GET,
+        &proxy.admin_url("/v1/executions"),
+        &[("authorization", auth.as_str())],
+        "",
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::FORBIDDEN, "{r:?}");
+    // Nothing changed: still waiting, nothing sent.
+    let auth = as_(VIEW);
+    let after = send(
+        &c,
+        Method::GET,
+        &proxy.admin_url(&format!("/v1/executions/{id}")),
+        &[("authorization", auth.as_str())],
+        "",
+    )
+    .await;
+    assert_eq!(seen.json()["state"], "awaiting_approval");
+    assert_eq!(after.json()["state"], "awaiting_approval", "{after:?}");
+    assert_eq!(after.json()["history"], seen.json()["history"]);
+    assert_eq!(ds.commits(), 0);
+
+    // The approver approves; the record names the token.
+    let ok = call(
+        format!("/v1/executions/{id}/approve"),
+        APPROVER,
+        json!({ "args_hash": hash, "by": "alice" }),
+    )
+    .await;
+    assert_eq!(ok.status, StatusCode::OK, "{ok:?}");
+    assert_eq!(ok.json()["approval"]["by"], "alice (token approver)");
+    // The Stop button cancels the operation; the mark names its token.
+    let stop = call("/v1/operations/op_scope/cancel".into(), STOP, json!({})).await;
+    assert_eq!(stop.status, StatusCode::OK, "{stop:?}");
+    let auth = as_(APPROVER);
+    let op = send(
+        &c,
+        Method::GET,
+        &proxy.admin_url("/v1/operations/op_scope"),
+        &[("authorization", auth.as_str())],
+        "",
+    )
+    .await;
+    assert_eq!(op.json()["mark"]["by"], "stop", "{op:?}");
+    // The single `token_env` token of other configs is gone here: unknown tokens are 401.
+    let r = call(
+        format!("/v1/executions/{id}/approve"),
+        "admin-token-for-tests-0123456789",
+        json!({}),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED, "{r:?}");
 }

@@ -15,6 +15,7 @@ use serde::{Deserialize, Serialize};
 use super::actions::{self, ResultSpec};
 use super::error::AdminError;
 use super::{console, view, Admin};
+use crate::config::Scope;
 use crate::policy::identity::ExecutionId;
 use crate::policy::state::State;
 use crate::store::{ListFilter, Record};
@@ -28,8 +29,6 @@ const MAX_PAGE: usize = 500;
 const OPERATION_RECORDS: usize = 500;
 /// Longest operator name accepted in `by`.
 const MAX_BY_CHARS: usize = 128;
-/// The name decisions are recorded under when the caller gives none.
-const DEFAULT_BY: &str = "admin-api";
 
 /// What a request asks for, once its path is understood.
 enum Endpoint {
@@ -51,6 +50,20 @@ impl Endpoint {
     fn is_public(&self) -> bool {
         matches!(self, Endpoint::Console(_) | Endpoint::Healthz)
     }
+
+    /// The scope a token needs for this endpoint, and what it does (for the 403's text).
+    fn needs(&self) -> Option<(Scope, &'static str)> {
+        Some(match self {
+            Endpoint::Console(_) | Endpoint::Healthz => return None,
+            Endpoint::Metrics | Endpoint::List | Endpoint::Show(_) | Endpoint::Operation(_) => {
+                (Scope::View, "read executions")
+            }
+            Endpoint::Approve(_) => (Scope::Approve, "approve calls"),
+            Endpoint::Reject(_) => (Scope::Approve, "reject calls"),
+            Endpoint::Resolve(_) => (Scope::Resolve, "resolve unknown outcomes"),
+            Endpoint::Cancel(_) => (Scope::Cancel, "cancel operations"),
+        })
+    }
 }
 
 /// Entry point for every request on the admin listener.
@@ -59,14 +72,20 @@ pub async fn handle(admin: Arc<Admin>, req: Request<Incoming>) -> Response<Proxy
     let path = req.uri().path().to_string();
     let routed = route(&method, &path);
     let public = matches!(&routed, Ok(e) if e.is_public());
-    // Unknown paths ask for the token too: without it nothing about the API is told.
-    let outcome = if !public && !admin.token.admits(req.headers()) {
-        Err(AdminError::Unauthorized)
-    } else {
-        match routed {
-            Ok(endpoint) => dispatch(&admin, endpoint, req).await,
-            Err(e) => Err(e),
-        }
+    // Unknown paths ask for a token too: without one nothing about the API is told.
+    let token = admin.tokens.authenticate(req.headers());
+    let outcome = match (routed, token) {
+        (Ok(endpoint), _) if public => dispatch(&admin, endpoint, "", req).await,
+        (_, None) => Err(AdminError::Unauthorized),
+        (Err(e), Some(_)) => Err(e),
+        (Ok(endpoint), Some(token)) => match endpoint.needs() {
+            Some((scope, what)) if !token.allows(scope) => Err(AdminError::Forbidden {
+                token: token.name.clone(),
+                needs: scope.name(),
+                what,
+            }),
+            _ => dispatch(&admin, endpoint, &token.name, req).await,
+        },
     };
     let mut resp = outcome.unwrap_or_else(|e| e.into_problem().into_response());
     tracing::debug!(method = %method, path = %path, status = resp.status().as_u16(), "admin request");
@@ -124,9 +143,11 @@ fn decode_segment(s: &str) -> Result<String, AdminError> {
         .map_err(|_| AdminError::BadRequest("the path is not valid percent-encoded UTF-8".into()))
 }
 
+/// Serve `endpoint` for the token named `token` (empty for the public endpoints).
 async fn dispatch(
     admin: &Admin,
     endpoint: Endpoint,
+    token: &str,
     req: Request<Incoming>,
 ) -> Result<Response<ProxyBody>, AdminError> {
     let store = admin.proxy.store.as_ref();
@@ -174,7 +195,7 @@ async fn dispatch(
         },
         Endpoint::Approve(id) => {
             let body: ApproveBody = required(read_json(req).await?)?;
-            let by = by(body.by)?;
+            let by = by(token, body.by)?;
             let rt = admin.proxy.runtime();
             let ttl = |r: &Record| approval_ttl(&rt.config, r);
             let r = actions::approve(store, &id, &body.args_hash, &by, ttl).await?;
@@ -182,7 +203,7 @@ async fn dispatch(
         }
         Endpoint::Reject(id) => {
             let body: RejectBody = read_json(req).await?.unwrap_or_default();
-            let by = by(body.by)?;
+            let by = by(token, body.by)?;
             let reason = body
                 .reason
                 .map(|r| operator_text("reason", r, 500))
@@ -192,7 +213,7 @@ async fn dispatch(
         }
         Endpoint::Resolve(id) => {
             let body: ResolveBody = required(read_json(req).await?)?;
-            let by = by(body.by)?;
+            let by = by(token, body.by)?;
             let committed = match body.outcome {
                 Outcome::Committed => true,
                 Outcome::NotCommitted => false,
@@ -215,7 +236,7 @@ async fn dispatch(
         }
         Endpoint::Cancel(op) => {
             let body: CancelBody = read_json(req).await?.unwrap_or_default();
-            let by = by(body.by)?;
+            let by = by(token, body.by)?;
             let retention = mark_retention(&admin.proxy.runtime().config);
             let report = actions::cancel(store, &op, &by, retention).await?;
             Ok(json(StatusCode::OK, &view::Cancelled::of(&op, &report)))
@@ -321,10 +342,16 @@ struct CancelBody {
     by: Option<String>,
 }
 
-fn by(given: Option<String>) -> Result<String, AdminError> {
+/// Who a decision is recorded under: the token that made it, and the operator's own name
+/// when the request gives one (`alice (token ops)`). The token's name is what the proxy
+/// knows; `by` is what the caller says.
+fn by(token: &str, given: Option<String>) -> Result<String, AdminError> {
     match given {
-        None => Ok(DEFAULT_BY.to_string()),
-        Some(s) => operator_text("by", s, MAX_BY_CHARS),
+        None => Ok(token.to_string()),
+        Some(s) => Ok(format!(
+            "{} (token {token})",
+            operator_text("by", s, MAX_BY_CHARS)?
+        )),
     }
 }
 
@@ -446,11 +473,14 @@ mod tests {
 
     #[test]
     fn operator_text_is_bounded_and_one_line() {
-        assert_eq!(by(None).expect("default"), DEFAULT_BY);
-        assert_eq!(by(Some("  alice ".into())).expect("trimmed"), "alice");
+        assert_eq!(by("ops", None).expect("default"), "ops");
+        assert_eq!(
+            by("ops", Some("  alice ".into())).expect("trimmed"),
+            "alice (token ops)"
+        );
         for bad in ["", "   ", "a\nb", "a\u{7}"] {
-            assert!(by(Some(bad.into())).is_err(), "{bad:?}");
+            assert!(by("ops", Some(bad.into())).is_err(), "{bad:?}");
         }
-        assert!(by(Some("x".repeat(MAX_BY_CHARS + 1))).is_err());
+        assert!(by("ops", Some("x".repeat(MAX_BY_CHARS + 1))).is_err());
     }
 }

@@ -1,12 +1,15 @@
-//! The admin bearer token. It is read once from the environment variable the config
+//! The admin bearer tokens. Each is read once from the environment variable the config
 //! names (never from the file), kept only as a SHA-256 digest, and compared in constant
-//! time: both sides are hashed first, so neither the content nor the length of the secret
-//! leaks through timing.
+//! time: both sides are hashed first, so neither the content nor the length of a secret
+//! leaks through timing, and every token is compared, so neither does which one matched.
+//! A token has a name (recorded with every decision it makes) and scopes (what it may do).
 
 use http::header::AUTHORIZATION;
 use http::HeaderMap;
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
+
+use crate::config::{AdminToken, Scope};
 
 /// Shorter secrets are accepted with a warning; they are guessable.
 const RECOMMENDED_MIN_BYTES: usize = 16;
@@ -24,6 +27,77 @@ pub enum TokenError {
     Empty(String),
     #[error("the environment variable {0} (admin.token_env) is not valid UTF-8")]
     NotUnicode(String),
+    #[error(
+        "admin tokens `{0}` and `{1}` have the same secret: a request could not tell which \
+         of them made a decision; give each its own"
+    )]
+    Shared(String, String),
+}
+
+/// The admin tokens of a config: who a request is, and what it may do.
+#[derive(Clone, Debug)]
+pub struct Tokens {
+    tokens: Vec<(AdminToken, Token)>,
+}
+
+impl Tokens {
+    /// Read every token's secret from its environment variable; refuses an unset or empty
+    /// variable, and two tokens with one secret.
+    pub fn from_env(specs: &[AdminToken]) -> Result<Tokens, TokenError> {
+        let mut tokens: Vec<(AdminToken, Token)> = Vec::with_capacity(specs.len());
+        for spec in specs {
+            let token = Token::from_env(&spec.token_env)?;
+            if let Some((other, _)) = tokens.iter().find(|(_, t)| t.digest == token.digest) {
+                return Err(TokenError::Shared(other.name.clone(), spec.name.clone()));
+            }
+            tokens.push((spec.clone(), token));
+        }
+        Ok(Tokens { tokens })
+    }
+
+    /// Tokens with known secrets (tests, the demo).
+    pub fn new(tokens: Vec<(AdminToken, &str)>) -> Tokens {
+        Tokens {
+            tokens: tokens
+                .into_iter()
+                .map(|(spec, secret)| (spec, Token::new(secret)))
+                .collect(),
+        }
+    }
+
+    /// The token the request's `Authorization: Bearer` names, if any. Every token is
+    /// compared in constant time, whichever matches (secrets are unique, so at most one).
+    pub fn authenticate(&self, headers: &HeaderMap) -> Option<&AdminToken> {
+        let presented = presented_digest(headers)?;
+        let mut found = None;
+        for (spec, token) in &self.tokens {
+            if bool::from(presented.ct_eq(&token.digest)) {
+                found = Some(spec);
+            }
+        }
+        found
+    }
+}
+
+/// The SHA-256 of the bearer token a request presents (exactly one `Authorization`
+/// header, scheme matched case-insensitively).
+fn presented_digest(headers: &HeaderMap) -> Option<[u8; 32]> {
+    let mut values = headers.get_all(AUTHORIZATION).iter();
+    let (Some(value), None) = (values.next(), values.next()) else {
+        return None;
+    };
+    let presented = value
+        .to_str()
+        .ok()
+        .and_then(|v| v.split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, token)| token.trim())?;
+    Some(Sha256::digest(presented.as_bytes()).into())
+}
+
+/// What an endpoint needs, checked against the token that asked.
+pub fn allows(token: &AdminToken, scope: Scope) -> bool {
+    token.allows(scope)
 }
 
 /// The expected token, as a digest. `Debug` shows nothing of it.
@@ -70,21 +144,7 @@ impl Token {
     /// Whether the request carries `Authorization: Bearer <token>` (scheme matched
     /// case-insensitively, exactly one Authorization header).
     pub fn admits(&self, headers: &HeaderMap) -> bool {
-        let mut values = headers.get_all(AUTHORIZATION).iter();
-        let (Some(value), None) = (values.next(), values.next()) else {
-            return false;
-        };
-        let Some(presented) = value
-            .to_str()
-            .ok()
-            .and_then(|v| v.split_once(' '))
-            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
-            .map(|(_, token)| token.trim())
-        else {
-            return false;
-        };
-        let digest: [u8; 32] = Sha256::digest(presented.as_bytes()).into();
-        digest.ct_eq(&self.digest).into()
+        presented_digest(headers).is_some_and(|d| d.ct_eq(&self.digest).into())
     }
 }
 
@@ -137,5 +197,47 @@ mod tests {
         let unset = "IDEMPROXY_TEST_SURELY_UNSET_TOKEN_VAR";
         let err = Token::from_env(unset).expect_err("unset");
         assert!(err.to_string().contains(unset), "{err}");
+    }
+
+    fn spec(name: &str, scopes: &[Scope]) -> AdminToken {
+        AdminToken {
+            name: name.into(),
+            token_env: format!("{}_TOKEN", name.to_uppercase()),
+            scopes: scopes.to_vec(),
+        }
+    }
+
+    #[test]
+    fn named_tokens_say_who_asked_and_what_they_may_do() {
+        let tokens = Tokens::new(vec![
+            (spec("admin", &[Scope::Admin]), "admin-secret-0123456789"),
+            (spec("viewer", &[Scope::View]), "viewer-secret-0123456789"),
+            (spec("stop", &[Scope::Cancel]), "stop-secret-0123456789"),
+        ]);
+        let who = |v: &'static str| tokens.authenticate(&headers(&[v])).map(|t| t.name.clone());
+        assert_eq!(
+            who("Bearer viewer-secret-0123456789").as_deref(),
+            Some("viewer")
+        );
+        assert_eq!(
+            who("Bearer stop-secret-0123456789").as_deref(),
+            Some("stop")
+        );
+        assert_eq!(
+            who("Bearer admin-secret-0123456789").as_deref(),
+            Some("admin")
+        );
+        assert_eq!(who("Bearer nobody-0123456789"), None);
+        assert_eq!(
+            tokens.authenticate(&HeaderMap::new()).map(|t| &t.name),
+            None
+        );
+        let viewer = spec("viewer", &[Scope::View]);
+        assert!(allows(&viewer, Scope::View));
+        assert!(!allows(&viewer, Scope::Approve));
+        let admin = spec("admin", &[Scope::Admin]);
+        for s in Scope::ALL {
+            assert!(allows(&admin, s), "{s:?}");
+        }
     }
 }

@@ -9,8 +9,16 @@ use crate::wire::problem::{Kind, Problem};
 
 #[derive(Debug, thiserror::Error)]
 pub enum AdminError {
-    #[error("this endpoint needs `Authorization: Bearer <token>` with the admin token (the value of the variable admin.token_env names)")]
+    #[error("this endpoint needs `Authorization: Bearer <token>` with an admin token (the value of a variable admin.token_env or admin.tokens names)")]
     Unauthorized,
+    #[error(
+        "the admin token `{token}` may not {what}: that needs a token with the `{needs}` scope"
+    )]
+    Forbidden {
+        token: String,
+        needs: &'static str,
+        what: &'static str,
+    },
     #[error("{0}")]
     BadRequest(String),
     #[error("the request body is larger than {0} bytes")]
@@ -37,6 +45,9 @@ impl AdminError {
                 http::header::WWW_AUTHENTICATE,
                 HeaderValue::from_static("Bearer realm=\"idemproxy-admin\""),
             ),
+            AdminError::Forbidden { needs, .. } => {
+                Problem::new(Kind::Forbidden, detail).with("scope", needs)
+            }
             AdminError::BadRequest(_) => Problem::new(Kind::BadRequest, detail),
             AdminError::BodyTooLarge(_) => Problem::new(Kind::BodyTooLarge, detail),
             AdminError::NoEndpoint(_) => Problem::new(Kind::NotFound, detail),
@@ -80,6 +91,14 @@ mod tests {
         let id = ExecutionId("ex_1".into());
         let cases: Vec<(AdminError, u16)> = vec![
             (AdminError::Unauthorized, 401),
+            (
+                AdminError::Forbidden {
+                    token: "viewer".into(),
+                    needs: "approve",
+                    what: "approve calls",
+                },
+                403,
+            ),
             (AdminError::BadRequest("x".into()), 400),
             (AdminError::BodyTooLarge(1), 413),
             (AdminError::NoEndpoint("/x".into()), 404),

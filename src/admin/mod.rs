@@ -24,26 +24,26 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-pub use auth::{Token, TokenError};
+pub use auth::{Token, TokenError, Tokens};
 
 use crate::proxy::Proxy;
 
 /// What every admin request handler shares.
 pub struct Admin {
     proxy: Arc<Proxy>,
-    token: Token,
+    tokens: Tokens,
 }
 
 /// Bind the admin listener on `listen` and serve it until `shutdown` turns true.
 pub async fn spawn(
     listen: SocketAddr,
-    token: Token,
+    tokens: Tokens,
     proxy: Arc<Proxy>,
     mut shutdown: watch::Receiver<bool>,
 ) -> std::io::Result<(SocketAddr, JoinHandle<()>)> {
     let listener = TcpListener::bind(listen).await?;
     let addr = listener.local_addr()?;
-    let admin = Arc::new(Admin { proxy, token });
+    let admin = Arc::new(Admin { proxy, tokens });
     let task = tokio::spawn(async move {
         let handler = move |req, _peer| api::handle(admin.clone(), req);
         let stop = async move {

@@ -40,8 +40,59 @@ pub struct Config {
 #[derive(Debug, Clone)]
 pub struct AdminConfig {
     pub listen: SocketAddr,
-    /// Environment variable holding the bearer token (never the token itself).
+    /// The bearer tokens the admin listener admits: `admin.token_env` (one token with every
+    /// scope, named `admin`) and the named `admin.tokens`.
+    pub tokens: Vec<AdminToken>,
+}
+
+/// One admin token: its name (recorded with every decision it makes), the environment
+/// variable holding the secret (never the secret itself), and what it may do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdminToken {
+    pub name: String,
     pub token_env: String,
+    pub scopes: Vec<Scope>,
+}
+
+/// What an admin token may do (SPEC section 10). `Admin` may do everything.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scope {
+    /// Read records, operations, metrics and the console's data.
+    View,
+    /// Approve or reject calls waiting for approval.
+    Approve,
+    /// Resolve `outcome_unknown` records.
+    Resolve,
+    /// Cancel operations (an orchestrator's Stop button).
+    Cancel,
+    Admin,
+}
+
+impl Scope {
+    pub const ALL: [Scope; 5] = [
+        Scope::View,
+        Scope::Approve,
+        Scope::Resolve,
+        Scope::Cancel,
+        Scope::Admin,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Scope::View => "view",
+            Scope::Approve => "approve",
+            Scope::Resolve => "resolve",
+            Scope::Cancel => "cancel",
+            Scope::Admin => "admin",
+        }
+    }
+}
+
+impl AdminToken {
+    /// Whether this token may act under `scope`.
+    pub fn allows(&self, scope: Scope) -> bool {
+        self.scopes.iter().any(|&s| s == scope || s == Scope::Admin)
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -299,7 +350,17 @@ impl Config {
         let mut out = String::new();
         let _ = writeln!(out, "listen {}", self.listen);
         if let Some(a) = &self.admin {
-            let _ = writeln!(out, "admin  {} (token from ${})", a.listen, a.token_env);
+            let _ = writeln!(out, "admin  {}", a.listen);
+            for t in &a.tokens {
+                let scopes: Vec<&str> = t.scopes.iter().map(|s| s.name()).collect();
+                let _ = writeln!(
+                    out,
+                    "  token {} from ${}: {}",
+                    t.name,
+                    t.token_env,
+                    scopes.join(", ")
+                );
+            }
         }
         match &self.store.backend {
             StoreBackend::Redb { path, cache_bytes } => {

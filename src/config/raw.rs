@@ -28,6 +28,16 @@ pub struct RawConfig {
 pub struct RawAdmin {
     pub listen: Option<String>,
     pub token_env: Option<String>,
+    pub tokens: Option<Vec<RawAdminToken>>,
+}
+
+/// One named admin token: `{ name, token_env, scopes: [view, approve, ...] }`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawAdminToken {
+    pub name: Option<String>,
+    pub token_env: Option<String>,
+    pub scopes: Option<Vec<String>>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -83,6 +83,97 @@ impl Validator {
         }
     }
 
+    /// `admin`: the listener and its tokens. `token_env` is one token with every scope,
+    /// named `admin`; it is the default (`IDEMPROXY_ADMIN_TOKEN`) only when no named
+    /// `tokens` are listed.
+    fn admin(&mut self, a: RawAdmin) -> AdminConfig {
+        let listen = self.addr("admin.listen", a.listen.as_deref(), "127.0.0.1:9090");
+        let mut tokens = Vec::new();
+        let single = match (a.token_env, &a.tokens) {
+            (Some(env), _) => Some(env),
+            (None, None) => Some("IDEMPROXY_ADMIN_TOKEN".to_string()),
+            (None, Some(_)) => None,
+        };
+        if let Some(env) = single {
+            if env.trim().is_empty() {
+                self.err("admin.token_env", "is empty: name an environment variable");
+            }
+            tokens.push(AdminToken {
+                name: "admin".into(),
+                token_env: env,
+                scopes: vec![Scope::Admin],
+            });
+        }
+        for (i, t) in a.tokens.into_iter().flatten().enumerate() {
+            let path = format!("admin.tokens[{i}]");
+            let name = match t.name.map(|n| n.trim().to_string()) {
+                Some(n)
+                    if !n.is_empty()
+                        && n.len() <= 64
+                        && n.bytes()
+                            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b)) =>
+                {
+                    n
+                }
+                Some(n) => {
+                    self.err(
+                        format!("{path}.name"),
+                        format!(
+                            "`{}` is not a token name (1-64 of A-Z a-z 0-9 - _ .)",
+                            cut(&n)
+                        ),
+                    );
+                    continue;
+                }
+                None => {
+                    self.err(format!("{path}.name"), "missing (e.g. ops)");
+                    continue;
+                }
+            };
+            if tokens.iter().any(|t: &AdminToken| t.name == name) {
+                self.err(
+                    format!("{path}.name"),
+                    format!("another admin token is named `{name}`"),
+                );
+            }
+            let token_env = match t.token_env {
+                Some(e) if !e.trim().is_empty() => e,
+                _ => {
+                    self.err(
+                        format!("{path}.token_env"),
+                        "missing or empty: name the environment variable holding the token",
+                    );
+                    continue;
+                }
+            };
+            let mut scopes = Vec::new();
+            for (j, s) in t.scopes.into_iter().flatten().enumerate() {
+                match Scope::ALL.iter().find(|k| k.name() == s) {
+                    Some(&k) => scopes.push(k),
+                    None => self.err(
+                        format!("{path}.scopes[{j}]"),
+                        format!(
+                            "expected one of view | approve | resolve | cancel | admin, found `{}`",
+                            cut(&s)
+                        ),
+                    ),
+                }
+            }
+            if scopes.is_empty() {
+                self.err(
+                    format!("{path}.scopes"),
+                    "missing or empty: list what the token may do (view, approve, resolve, cancel, admin)",
+                );
+            }
+            tokens.push(AdminToken {
+                name,
+                token_env,
+                scopes,
+            });
+        }
+        AdminConfig { listen, tokens }
+    }
+
     fn addr(&mut self, path: &str, v: Option<&str>, default: &str) -> SocketAddr {
         let s = v.unwrap_or(default);
         match s.parse() {
@@ -181,12 +272,7 @@ impl Validator {
 
     fn config(&mut self, raw: RawConfig, file: &Path) -> Option<Config> {
         let listen = self.addr("listen", raw.listen.as_deref(), DEFAULT_LISTEN);
-        let admin = raw.admin.map(|a| AdminConfig {
-            listen: self.addr("admin.listen", a.listen.as_deref(), "127.0.0.1:9090"),
-            token_env: a
-                .token_env
-                .unwrap_or_else(|| "IDEMPROXY_ADMIN_TOKEN".into()),
-        });
+        let admin = raw.admin.map(|a| self.admin(a));
         let store = self.store(raw.store);
         let limits = self.limits(raw.limits);
         let identity = self.identity(raw.identity);
@@ -848,4 +934,12 @@ fn is_name(s: &str) -> bool {
     !s.is_empty()
         && s.chars()
             .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-' || c == '.')
+}
+
+/// A value quoted in a message, cut to 80 characters (a bad value can be megabytes).
+fn cut(s: &str) -> String {
+    match s.char_indices().nth(80) {
+        Some((i, _)) => format!("{}...", &s[..i]),
+        None => s.to_string(),
+    }
 }

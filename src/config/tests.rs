@@ -169,3 +169,43 @@ fn mounts_and_templates_must_be_normalised_paths() {
         "{text}"
     );
 }
+
+#[test]
+fn admin_tokens_are_named_scoped_and_checked() {
+    let base = "upstreams:\n  - name: mail\n    url: http://127.0.0.1:1\n";
+    let cfg = from_yaml(
+        &format!("admin:\n  tokens:\n    - {{ name: ops, token_env: OPS, scopes: [view, approve] }}\n{base}"),
+        Path::new("cfg.yaml"),
+    )
+    .expect("valid");
+    let admin = cfg.admin.expect("admin");
+    assert_eq!(admin.tokens.len(), 1, "no implicit token beside named ones");
+    assert_eq!(admin.tokens[0].name, "ops");
+    assert_eq!(admin.tokens[0].scopes, vec![Scope::View, Scope::Approve]);
+    let single = from_yaml(
+        &format!("admin: {{ token_env: T }}\n{base}"),
+        Path::new("c.yaml"),
+    )
+    .expect("valid")
+    .admin
+    .expect("admin");
+    assert_eq!(single.tokens[0].name, "admin");
+    assert!(single.tokens[0].allows(Scope::Cancel));
+    let text = errors(&format!(
+        "admin:\n  token_env: \"\"\n  tokens:\n    - {{ name: ops, token_env: A, scopes: [view, delete] }}\n    - {{ name: ops, token_env: B, scopes: [] }}\n    - {{ name: \"a b\", token_env: C, scopes: [view] }}\n{base}"
+    ));
+    assert!(text.contains("admin.token_env: is empty"), "{text}");
+    assert!(text.contains("admin.tokens[0].scopes[1]: expected one of view | approve | resolve | cancel | admin, found `delete`"), "{text}");
+    assert!(
+        text.contains("admin.tokens[1].name: another admin token is named `ops`"),
+        "{text}"
+    );
+    assert!(
+        text.contains("admin.tokens[1].scopes: missing or empty"),
+        "{text}"
+    );
+    assert!(
+        text.contains("admin.tokens[2].name: `a b` is not a token name"),
+        "{text}"
+    );
+}

@@ -172,6 +172,21 @@ pub fn replay_raw(proxy: &Proxy, rt: &Runtime, target: &Target<'_>, req: &RawReq
     RawReplay::Answered(answer)
 }
 
+/// The 403's detail for a rejected call: the operator's note (who, and the reason they
+/// gave) reaches the agent, so it can tell the user why.
+fn rejection_detail(r: &Record) -> String {
+    let note = r
+        .history
+        .iter()
+        .rev()
+        .find(|h| h.to == State::Rejected)
+        .and_then(|h| h.note.as_deref());
+    match note {
+        Some(note) => format!("an operator rejected this call; it will not be sent ({note})"),
+        None => "an operator rejected this call; it will not be sent".to_string(),
+    }
+}
+
 /// The request's idempotency key (`identity::find_key` under this config).
 fn find_key<H: HeaderLookup + ?Sized>(cfg: &Config, route: &Route, headers: &H) -> KeyLookup {
     identity::find_key(headers, &cfg.identity, route, cfg.limits.max_key_bytes)
@@ -590,12 +605,9 @@ impl Call<'_> {
             },
             State::AwaitingApproval => Decision::Respond(self.approval_required(r)),
             State::Rejected => Decision::Respond(
-                Problem::new(
-                    Kind::Rejected,
-                    "an operator rejected this call; it will not be sent",
-                )
-                .execution(&self.id)
-                .into_response(),
+                Problem::new(Kind::Rejected, rejection_detail(r))
+                    .execution(&self.id)
+                    .into_response(),
             ),
             State::CancelledBeforeCommit => Decision::Respond(
                 Problem::new(
