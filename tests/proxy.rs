@@ -496,6 +496,44 @@ async fn read_only_routes_pass_through_unrecorded_with_retries() {
     assert!(rows[0].contains("mail/send_email"));
 }
 
+/// Read-only retries honour `429` and `Retry-After` (capped): the proxy waits as long as
+/// the upstream asked before trying again, and past the cap hands the answer over.
+#[tokio::test(flavor = "multi_thread")]
+async fn read_only_retries_honour_429_and_retry_after() {
+    let (_dir, ds, proxy) = setup().await;
+    let c = client();
+    let started = std::time::Instant::now();
+    let r = send(
+        &c,
+        Method::GET,
+        &proxy.url("/mail/flaky?fail=1&status=429&retry_after=1"),
+        &[],
+        "",
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK, "the 429 was retried: {r:?}");
+    assert_eq!(r.json()["call"], 2);
+    // Behaviour, not speed: the second try waited for the upstream's second.
+    assert!(
+        started.elapsed() >= Duration::from_millis(950),
+        "retried after {:?}, before the Retry-After",
+        started.elapsed()
+    );
+    assert_eq!(ds.hits_on("/flaky"), 2);
+    // Beyond the cap (10 s) the client gets the 429 and its Retry-After, at once.
+    let r = send(
+        &c,
+        Method::GET,
+        &proxy.url("/mail/flaky?fail=1&status=429&retry_after=60"),
+        &[],
+        "",
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS, "{r:?}");
+    assert_eq!(r.header("retry-after"), Some("60"));
+    assert_eq!(ds.hits_on("/flaky"), 3, "not retried");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn hop_by_hop_headers_and_forwarding_headers() {
     let (_dir, ds, proxy) = setup().await;

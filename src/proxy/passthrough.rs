@@ -9,6 +9,7 @@
 
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
 use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
@@ -133,14 +134,20 @@ pub fn forward_raw(
     }
 }
 
-/// The status of an upstream's answer, to tell a transient one.
+/// The status of an upstream's answer, to tell a transient one, and its `Retry-After`.
 trait Answered {
     fn status(&self) -> StatusCode;
+    fn retry_after(&self) -> Option<&[u8]>;
 }
 
 impl Answered for Response<Held> {
     fn status(&self) -> StatusCode {
         Response::status(self)
+    }
+    fn retry_after(&self) -> Option<&[u8]> {
+        self.headers()
+            .get(http::header::RETRY_AFTER)
+            .map(|v| v.as_bytes())
     }
 }
 
@@ -148,11 +155,37 @@ impl Answered for (RawHead, Held) {
     fn status(&self) -> StatusCode {
         self.0.status
     }
+    fn retry_after(&self) -> Option<&[u8]> {
+        crate::wire::raw::pairs(&self.0.bytes, &self.0.fields)
+            .find(|(name, _)| name.eq_ignore_ascii_case(b"retry-after"))
+            .map(|(_, value)| value)
+    }
+}
+
+/// The longest `Retry-After` a read-only retry waits for; a longer one ends the retries
+/// and the answer (429 or 503 with its `Retry-After`) goes to the client, whose own
+/// retry policy can wait that long.
+pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(10);
+
+/// How long an answer asks to be waited for before the next try: its `Retry-After`, as
+/// delay-seconds or an HTTP date (RFC 9110 §10.2.3); `None` without one (or a bad one).
+fn retry_after(value: Option<&[u8]>) -> Option<Duration> {
+    let text = std::str::from_utf8(value?).ok()?.trim();
+    if let Ok(secs) = text.parse::<u64>() {
+        return Some(Duration::from_secs(secs));
+    }
+    let at = httpdate::parse_http_date(text).ok()?;
+    Some(
+        at.duration_since(std::time::SystemTime::now())
+            .unwrap_or(Duration::ZERO),
+    )
 }
 
 /// Send up to `attempts` times: `send(last)` sends once. Connect errors, resets and
-/// 502/503/504 are tried again after the route's backoff (doubling), while attempts are
-/// left; the last attempt's answer is the answer. Each attempt has the route's timeout.
+/// 429/502/503/504 are tried again after the route's backoff (doubling), or after the
+/// answer's `Retry-After` when that is longer (up to [`MAX_RETRY_AFTER`]; past it the
+/// answer is the answer), while attempts are left; the last attempt's answer is the
+/// answer. Each attempt has the route's timeout.
 /// A failure is answered with a problem: `502 upstream-unavailable` or `504
 /// upstream-timeout`.
 async fn with_retries<A, F, S>(
@@ -173,15 +206,25 @@ where
             Ok(Ok(answer)) => {
                 let transient = matches!(
                     answer.status(),
-                    StatusCode::BAD_GATEWAY
+                    StatusCode::TOO_MANY_REQUESTS
+                        | StatusCode::BAD_GATEWAY
                         | StatusCode::SERVICE_UNAVAILABLE
                         | StatusCode::GATEWAY_TIMEOUT
                 );
-                if transient && !last {
-                    tracing::debug!(upstream = %upstream.name, route = %route.name, attempt, status = %answer.status(), "transient status; retrying");
-                } else {
+                if !transient || last {
                     return Ok(answer);
                 }
+                // The upstream says when to come back: wait that long (never less than
+                // the backoff), unless it is longer than the proxy will hold a request.
+                match retry_after(answer.retry_after()) {
+                    Some(wait) if wait > MAX_RETRY_AFTER => {
+                        tracing::debug!(upstream = %upstream.name, route = %route.name, attempt, status = %answer.status(), ?wait, "Retry-After beyond the cap; answering");
+                        return Ok(answer);
+                    }
+                    Some(wait) => backoff = backoff.max(wait),
+                    None => {}
+                }
+                tracing::debug!(upstream = %upstream.name, route = %route.name, attempt, status = %answer.status(), "transient status; retrying");
             }
             Ok(Err(e)) => {
                 tracing::debug!(upstream = %upstream.name, route = %route.name, attempt, error = %client::describe(&e), "upstream request failed");
@@ -214,4 +257,29 @@ where
         backoff = backoff.saturating_mul(2);
     }
     unreachable!("the last attempt always returns")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_reads_seconds_and_dates() {
+        assert_eq!(retry_after(Some(b"3")), Some(Duration::from_secs(3)));
+        assert_eq!(retry_after(Some(b" 0 ")), Some(Duration::ZERO));
+        assert_eq!(retry_after(None), None);
+        assert_eq!(retry_after(Some(b"soon")), None);
+        assert_eq!(retry_after(Some(b"-1")), None);
+        // A date in the past is "now"; one in the future is the time left.
+        assert_eq!(
+            retry_after(Some(b"Sun, 06 Nov 1994 08:49:37 GMT")),
+            Some(Duration::ZERO)
+        );
+        let later = httpdate::fmt_http_date(std::time::SystemTime::now() + Duration::from_secs(30));
+        let wait = retry_after(Some(later.as_bytes())).expect("a date");
+        assert!(
+            wait > Duration::from_secs(25) && wait <= Duration::from_secs(30),
+            "{wait:?}"
+        );
+    }
 }
