@@ -118,8 +118,29 @@ fn main() -> ExitCode {
 fn load(path: &std::path::Path) -> Result<Config, ExitCode> {
     Config::load(path).map_err(|e| {
         eprintln!("{e}");
+        if !path.exists() {
+            let cwd = std::env::current_dir()
+                .map(|d| d.display().to_string())
+                .unwrap_or_else(|_| ".".into());
+            eprintln!(
+                "hint: idemproxy read the config from {} (relative to {cwd}); pass \
+                 `--config PATH` to name another file, or run it from the repository, \
+                 whose config/idemproxy.yaml is the default",
+                path.display()
+            );
+        }
         ExitCode::from(2)
     })
+}
+
+/// Print to stdout; a reader that went away (`idemproxy records show ID | head`) ends the
+/// output quietly instead of panicking, as `println!` would.
+fn out(text: std::fmt::Arguments<'_>) {
+    use std::io::Write as _;
+    let mut stdout = std::io::stdout().lock();
+    let _ = stdout
+        .write_fmt(text)
+        .and_then(|()| stdout.write_all(b"\n"));
 }
 
 async fn run(cmd: Command) -> ExitCode {
@@ -127,8 +148,8 @@ async fn run(cmd: Command) -> ExitCode {
         Command::Check { config } => {
             return match load(&config) {
                 Ok(cfg) => {
-                    print!("{}", cfg.describe());
-                    println!("{}: ok", config.display());
+                    out(format_args!("{}", cfg.describe().trim_end()));
+                    out(format_args!("{}: ok", config.display()));
                     ExitCode::SUCCESS
                 }
                 Err(code) => code,
@@ -155,33 +176,33 @@ async fn run(cmd: Command) -> ExitCode {
                     idemproxy::app::records_list(&cfg, status, limit)
                         .await
                         .map(|records| {
-                            println!(
+                            out(format_args!(
                                 "{:<28} {:<24} {:<28} {:>3} {:>8}",
                                 "EXECUTION_ID", "STATE", "UPSTREAM/ROUTE", "TRY", "STATUS"
-                            );
+                            ));
                             for r in records {
                                 let status = r
                                     .response
                                     .as_ref()
                                     .map(|s| s.status.to_string())
                                     .unwrap_or_else(|| "-".into());
-                                println!(
+                                out(format_args!(
                                     "{:<28} {:<24} {:<28} {:>3} {:>8}",
                                     r.id,
                                     r.state(),
                                     format!("{}/{}", r.upstream, r.route),
                                     r.attempts,
                                     status
-                                );
+                                ));
                             }
                         })
                 }
                 RecordsCommand::Show { id } => {
                     idemproxy::app::records_show(&cfg, &id).await.map(|r| {
-                        println!(
+                        out(format_args!(
                             "{}",
                             serde_json::to_string_pretty(&r).expect("records serialize")
-                        );
+                        ));
                     })
                 }
             }
@@ -228,7 +249,7 @@ async fn run(cmd: Command) -> ExitCode {
                     &format!("cli:{by}"),
                 )
                 .await?;
-                println!("{} is now {}", r.id, r.state());
+                out(format_args!("{} is now {}", r.id, r.state()));
                 Ok(())
             }
             .await
@@ -237,7 +258,7 @@ async fn run(cmd: Command) -> ExitCode {
         Command::Gc { config } => match load(&config) {
             Ok(cfg) => idemproxy::app::gc(&cfg)
                 .await
-                .map(|n| println!("removed {n} records past retention")),
+                .map(|n| out(format_args!("removed {n} records past retention"))),
             Err(code) => return code,
         },
     };
@@ -245,7 +266,12 @@ async fn run(cmd: Command) -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
-            ExitCode::from(1)
+            // A missing or unusable admin token is a configuration error, like a bad file.
+            if e.downcast_ref::<idemproxy::admin::TokenError>().is_some() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::from(1)
+            }
         }
     }
 }
@@ -262,8 +288,10 @@ fn init_logging(format: LogFormat) {
     use tracing_subscriber::EnvFilter;
     let filter =
         EnvFilter::try_from_env("IDEMPROXY_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    // Colours only for a person at a terminal: a log file or a pipe gets plain text.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.init(),

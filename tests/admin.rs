@@ -201,6 +201,11 @@ fn refuses_to_start_without_the_token_variable() {
         let out = cmd.output().expect("run idemproxy");
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "started without a token: {stderr}");
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "a config error exits 2: {stderr}"
+        );
         assert!(
             stderr.contains(ADMIN_TOKEN_ENV),
             "message names the variable: {stderr}"

@@ -78,3 +78,55 @@ fn the_demo_runs_and_shows_one_side_effect_per_call() {
     assert!(text.contains("two proxy crashes: 2 emails sent"), "{text}");
     assert!(text.contains("replayed=true"), "{text}");
 }
+
+/// First-hour papercuts (issue 38): a reader that stops early, the default config looked
+/// for from elsewhere, and logs written to a pipe.
+#[test]
+fn output_to_a_closed_pipe_ends_quietly() {
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/config/idemproxy.yaml");
+    for _ in 0..3 {
+        let mut child = std::process::Command::new(common::BIN)
+            .args(["check", "--config", config])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("run idemproxy");
+        // `| head -c 0`: the reader is gone before the first line is written.
+        drop(child.stdout.take());
+        let out = child.wait_with_output().expect("wait");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!err.contains("panicked"), "{err}");
+        assert_eq!(out.status.code(), Some(0), "{err}");
+    }
+}
+
+#[test]
+fn serve_without_a_config_says_where_it_looked() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = std::process::Command::new(common::BIN)
+        .arg("serve")
+        .current_dir(dir.path())
+        .output()
+        .expect("run idemproxy");
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("config/idemproxy.yaml"), "{err}");
+    assert!(err.contains("--config PATH"), "{err}");
+    assert!(err.contains(&dir.path().display().to_string()), "{err}");
+}
+
+#[test]
+fn logs_to_a_pipe_have_no_colours() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let yaml = common::config(dir.path(), "http://127.0.0.1:1");
+    let proxy = common::ProxyProc::start(dir.path(), &yaml);
+    proxy.wait_for_log("listening", std::time::Duration::from_secs(10));
+    let lines = proxy.stderr_lines();
+    assert!(!lines.is_empty());
+    for line in &lines {
+        assert!(
+            !line.contains('\u{1b}'),
+            "ANSI escape in a piped log line: {line:?}"
+        );
+    }
+}
