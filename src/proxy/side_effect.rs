@@ -1007,7 +1007,7 @@ impl Call<'_> {
                     return self.finish_still_in_flight(record).await;
                 }
                 let mut rheaders = rparts.headers;
-                downstream::response_headers(&mut rheaders);
+                downstream::stored_headers(&mut rheaders);
                 let stored = StoredResponse {
                     status: rparts.status.as_u16(),
                     headers: rheaders

@@ -31,7 +31,9 @@ const HOP_BY_HOP: [&str; 9] = [
     "upgrade",
 ];
 
-/// Remove hop-by-hop headers, including every header the `Connection` header names.
+/// Remove hop-by-hop headers, including every header the `Connection` header names; a
+/// `Transfer-Encoding` takes any `Content-Length` with it (RFC 9112 section 6.3: the
+/// coding framed the message, so the length is stale; [`super::framing`]).
 pub fn strip_hop_by_hop(h: &mut HeaderMap) {
     // One pass over the names finds what to remove, so only headers that are there cost a
     // hashed removal. Most requests carry none; most responses only `Connection:
@@ -39,11 +41,16 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap) {
     // here allocates unless a `Connection` header names a header of its own.
     let mut found: SmallVec<[HeaderName; 4]> = SmallVec::new();
     let mut connection = false;
+    let mut coded = false;
     for name in h.keys() {
         if is_hop_by_hop(name) {
             connection |= name == header::CONNECTION;
+            coded |= name == header::TRANSFER_ENCODING;
             found.push(name.clone());
         }
+    }
+    if coded {
+        found.push(header::CONTENT_LENGTH);
     }
     if connection {
         let mut named: SmallVec<[HeaderName; 2]> = SmallVec::new();
@@ -241,6 +248,23 @@ mod tests {
         strip_hop_by_hop(&mut h);
         assert_eq!(h.len(), 1);
         assert!(h.contains_key("x-keep"));
+    }
+
+    #[test]
+    fn a_transfer_encoding_takes_the_content_length_with_it() {
+        let mut h = HeaderMap::new();
+        h.insert(header::CONTENT_LENGTH, HeaderValue::from_static("3"));
+        h.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
+        h.insert("x-keep", HeaderValue::from_static("1"));
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h.len(), 1, "{h:?}");
+        let mut only_length = HeaderMap::new();
+        only_length.insert(header::CONTENT_LENGTH, HeaderValue::from_static("3"));
+        strip_hop_by_hop(&mut only_length);
+        assert_eq!(only_length["content-length"], "3");
     }
 
     #[test]
