@@ -746,18 +746,16 @@ fn transfer_codings_before_chunked_are_refused_not_dropped() {
 #[test]
 fn malformed_chunked_body_fails_the_request_and_closes() {
     let s = setup();
-    // Read-only: the body is streamed, so the failure shows up on the upstream request:
-    // 502 upstream-unavailable today (a 400 would be more apt), then the connection closes.
+    // Read-only: the body is streamed, so the failure shows up on the upstream request
+    // (whose head may have gone): the client's fault all the same, 400 bad-request (it
+    // was 502 upstream-unavailable before issue 33), then the connection closes.
     let mut w = Wire::open(s.proxy.addr);
     w.send(
         b"POST /ro/echo/badchunk HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nhello\r\n0\r\n\r\n",
     );
     let a = w.answer();
-    assert_eq!(a.status, 502, "{a:?}");
-    assert_eq!(
-        a.problem_type(),
-        "urn:idemproxy:problem:upstream-unavailable"
-    );
+    assert_eq!(a.status, 400, "{a:?}");
+    assert_eq!(a.problem_type(), "urn:idemproxy:problem:bad-request");
     w.assert_closed();
     // Whatever reached the downstream, no body did.
     if let Some(seen) = s.ds.last_request("/echo/badchunk") {

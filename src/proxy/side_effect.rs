@@ -331,7 +331,7 @@ async fn read_body(
         body::ReadError::TooLarge => too_large(),
         body::ReadError::Body(e) => Box::new(
             Problem::new(
-                Kind::BadRequest,
+                Kind::of_request_body_error(&*e),
                 format!("could not read the request body: {e}"),
             )
             .into_response(),
