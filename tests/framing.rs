@@ -89,6 +89,9 @@ fn serve_forged(mut s: TcpStream) {
         buf.drain(..body_end);
         let answer = if path.contains("forge") {
             forged_answer()
+        } else if path.contains("switch") {
+            b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\nConnection: upgrade\r\n\r\n"
+                .to_vec()
         } else {
             CLEAN.to_vec()
         };
@@ -424,4 +427,41 @@ async fn a_forged_side_effect_answer_is_stored_and_replayed_as_one_answer() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_forged_side_effect_answer_is_stored_and_replayed_as_one_answer_with_hyper() {
     side_effect_paths(&[("IDEMPROXY_FAST_PATH", "0")], "hyper").await;
+}
+
+/// An upstream that answers `101 Switching Protocols` unasked (the proxy forwards no
+/// `Upgrade`): 502 on every client path, as `wire::h1` answered it already, and the
+/// client's next request gets its own answer.
+async fn unsolicited_switch(env: &[(&str, &str)], label: &str) {
+    let f = start(env).await;
+    let cases: [(&str, Vec<u8>, &str); 3] = [
+        (
+            "GET, plain upstream (wire::h1)",
+            b"GET /plain/switch HTTP/1.1\r\nHost: t\r\n\r\n".to_vec(),
+            "plain",
+        ),
+        (
+            "chunked request body, plain upstream (Http1Pool)",
+            b"POST /plain/switch HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n"
+                .to_vec(),
+            "plain",
+        ),
+        (
+            "GET, https upstream",
+            b"GET /secure/switch HTTP/1.1\r\nHost: t\r\n\r\n".to_vec(),
+            "secure",
+        ),
+    ];
+    for (what, request, mount) in cases {
+        let what = format!("{label}: {what}");
+        let answers = pipelined(&f.proxy, &[request, clean_get(mount)]);
+        assert_eq!(answers[0].status, 502, "{what}: {:?}", answers[0].headers);
+        assert_clean(&answers[1], &what);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_unsolicited_switch_is_a_bad_gateway() {
+    unsolicited_switch(&[], "fast path").await;
+    unsolicited_switch(&[("IDEMPROXY_FAST_PATH", "0")], "hyper").await;
 }

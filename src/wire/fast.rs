@@ -162,7 +162,8 @@ async fn hand_off<H>(
     let handler = shared.handler.clone();
     let body_timeout = shared.body_timeout;
     let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
-        let served = match unsupported_coding(req.headers()) {
+        let refused = unsupported_coding(req.headers()).or_else(|| bad_host(&req));
+        let served = match refused {
             None => Ok(handler.call(
                 req.map(|b| RequestBody::streamed(b, body_timeout)),
                 peer.clone(),
@@ -211,6 +212,22 @@ fn unsupported_coding(headers: &HeaderMap) -> Option<Response<ProxyBody>> {
         )
         .into_response(),
     )
+}
+
+/// `400 bad-request` for an HTTP/1.1 request without exactly one valid `Host` (RFC 9112
+/// section 3.2; HTTP/1.0 needs none, HTTP/2 has `:authority`). The fast path hands such
+/// a request here, so both servers answer it the same.
+fn bad_host<B>(req: &Request<B>) -> Option<Response<ProxyBody>> {
+    if req.version() != http::Version::HTTP_11 {
+        return None;
+    }
+    let why = super::headers::host_problem(
+        req.headers()
+            .get_all(header::HOST)
+            .iter()
+            .map(|v| v.as_bytes()),
+    )?;
+    Some(Problem::new(Kind::BadRequest, format!("{why}; nothing was forwarded")).into_response())
 }
 
 /// What the handler answered: an `http::Response`, or an upstream's answer as bytes.
@@ -585,10 +602,15 @@ fn parse(buf: &mut BytesMut, max_head: usize) -> Parsed {
     let path_at = at(path.as_bytes());
     let mut body_len = None;
     let mut close = false;
+    let mut host = None;
     let mut fields = Fields::new();
     for h in req.headers.iter() {
         let name = h.name.as_bytes();
         match name.len() {
+            // A second `Host` is hyper's to refuse (see `bad_host`).
+            4 if name.eq_ignore_ascii_case(b"host") && host.replace(h.value).is_some() => {
+                return Parsed::HandOff
+            }
             6 if name.eq_ignore_ascii_case(b"expect") => return Parsed::HandOff,
             7 if name.eq_ignore_ascii_case(b"upgrade") => return Parsed::HandOff,
             17 if name.eq_ignore_ascii_case(b"transfer-encoding") => return Parsed::HandOff,
@@ -604,6 +626,9 @@ fn parse(buf: &mut BytesMut, max_head: usize) -> Parsed {
             _ => {}
         }
         fields.push(Field::new(at(name), at(h.value)));
+    }
+    if !host.is_some_and(super::headers::valid_host) {
+        return Parsed::HandOff;
     }
     let head = buf.split_to(len).freeze();
     let Ok(uri) = Uri::from_maybe_shared(head.slice(path_at)) else {
@@ -961,7 +986,7 @@ mod tests {
 
     #[test]
     fn notes_connection_close() {
-        let (p, _) = parsed(b"GET / HTTP/1.1\r\nConnection: keep-alive, Close\r\n\r\n");
+        let (p, _) = parsed(b"GET / HTTP/1.1\r\nHost: h\r\nConnection: keep-alive, Close\r\n\r\n");
         let Parsed::Ready(head) = p else {
             panic!("not taken")
         };
@@ -991,6 +1016,10 @@ mod tests {
             b"GET / HTTP/1.1\r\nx: a\r\n folded\r\n\r\n",
             // httparse takes `<` in a path, `Uri` does not: the head is put back.
             b"GET /a<b HTTP/1.1\r\nHost: x\r\n\r\nGET / HTTP/1.1\r\n\r\n",
+            // No `Host`, two, or an invalid one: hyper's to refuse (400).
+            b"GET / HTTP/1.1\r\n\r\n",
+            b"GET / HTTP/1.1\r\nHost: a\r\nhost: a\r\n\r\n",
+            b"GET / HTTP/1.1\r\nHost: a b/c@d\r\n\r\n",
         ] {
             hands_off(bytes);
         }
