@@ -89,6 +89,10 @@ fn serve_forged(mut s: TcpStream) {
         buf.drain(..body_end);
         let answer = if path.contains("forge") {
             forged_answer()
+        } else if path.contains("emptychunk") {
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n\r\n\r\n".to_vec()
+        } else if path.contains("signedlength") {
+            b"HTTP/1.1 200 OK\r\nContent-Length: +2\r\n\r\nok".to_vec()
         } else if path.contains("switch") {
             b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\nConnection: upgrade\r\n\r\n"
                 .to_vec()
@@ -151,7 +155,7 @@ async fn tls_front(backend: SocketAddr, cert: &rcgen::CertifiedKey) -> u16 {
 }
 
 /// `/plain` and `/secure`: read-only pass-throughs to the forging downstream (direct and
-/// through TLS); `/plainse` and `/securese`: a keyed side effect `POST /forge/send`.
+/// through TLS); `/plainse` and `/securese`: a keyed side effect `POST /{kind}/send`.
 fn forging_config(dir: &Path, plain: SocketAddr, tls_port: u16) -> String {
     let mut yaml = format!(
         "listen: 127.0.0.1:0\nstore: {{ backend: redb, path: {}/store.redb, retention: 1h }}\nidentity: {{ key_header: Idempotency-Key }}\nupstreams:\n",
@@ -166,7 +170,7 @@ fn forging_config(dir: &Path, plain: SocketAddr, tls_port: u16) -> String {
         ),
     ] {
         yaml.push_str(&format!(
-            "  - name: {name}\n    url: {url}\n    mount: /{name}\n{tls}    routes:\n      - {{ name: any, match: {{ path: \"/{{*rest}}\" }}, class: read_only }}\n  - name: {name}se\n    url: {url}\n    mount: /{name}se\n{tls}    routes:\n      - {{ name: send, match: {{ method: POST, path: /forge/send }} }}\n"
+            "  - name: {name}\n    url: {url}\n    mount: /{name}\n{tls}    routes:\n      - {{ name: any, match: {{ path: \"/{{*rest}}\" }}, class: read_only }}\n  - name: {name}se\n    url: {url}\n    mount: /{name}se\n{tls}    routes:\n      - {{ name: send, match: {{ method: POST, path: \"/{{kind}}/send\" }} }}\n"
         ));
     }
     yaml
@@ -464,4 +468,34 @@ async fn unsolicited_switch(env: &[(&str, &str)], label: &str) {
 async fn an_unsolicited_switch_is_a_bad_gateway() {
     unsolicited_switch(&[], "fast path").await;
     unsolicited_switch(&[("IDEMPROXY_FAST_PATH", "0")], "hyper").await;
+}
+
+/// A side effect whose answer is malformed in a way hyper's client refuses (an empty
+/// chunk-size line, a signed `Content-Length`) is never committed: 502 with the outcome
+/// unknown, and a retry is not answered from a record (the request was sent).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_malformed_side_effect_answer_is_never_committed() {
+    for (mode, env) in [
+        ("fast path", &[][..]),
+        ("hyper", &[("IDEMPROXY_FAST_PATH", "0")][..]),
+    ] {
+        let f = start(env).await;
+        for kind in ["emptychunk", "signedlength"] {
+            let what = format!("{mode}: {kind}");
+            let send = format!(
+                "POST /plainse/{kind}/send HTTP/1.1\r\nHost: t\r\nIdempotency-Key: k-{kind}\r\nContent-Length: 2\r\n\r\n{{}}"
+            )
+            .into_bytes();
+            let answers = pipelined(&f.proxy, std::slice::from_ref(&send));
+            assert_eq!(answers[0].status, 502, "{what}: {:?}", answers[0].headers);
+            assert_eq!(
+                answers[0].header("idempotency-status"),
+                Some("outcome_unknown"),
+                "{what}"
+            );
+            let again = pipelined(&f.proxy, &[send]);
+            assert_ne!(again[0].status, 200, "{what}: not replayed");
+            assert!(again[0].header("idempotent-replayed").is_none(), "{what}");
+        }
+    }
 }
