@@ -70,7 +70,7 @@ impl RequestBody {
 /// A request body that the client framed wrongly (a malformed chunk, a connection that
 /// ended inside it): the client's fault, answered 400, where an upstream's is 502.
 #[derive(Debug)]
-pub struct ClientBody(pub hyper::Error);
+pub struct ClientBody(pub BoxError);
 
 impl std::fmt::Display for ClientBody {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -80,7 +80,7 @@ impl std::fmt::Display for ClientBody {
 
 impl std::error::Error for ClientBody {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        Some(&self.0)
+        Some(&*self.0)
     }
 }
 
@@ -218,16 +218,16 @@ impl Body for RequestBody {
                 None if *failed => None,
                 None => {
                     *failed = true;
-                    Some(Err(
+                    Some(Err(Box::new(ClientBody(
                         "the client closed its connection before the end of the request body"
                             .into(),
-                    ))
+                    ))))
                 }
             }),
             RequestBody::Streamed(incoming, stall) => {
                 let polled = Pin::new(incoming)
                     .poll_frame(cx)
-                    .map_err(|e| Box::new(ClientBody(e)) as BoxError);
+                    .map_err(|e| Box::new(ClientBody(Box::new(e))) as BoxError);
                 stall.check(
                     cx,
                     polled,
