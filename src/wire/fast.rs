@@ -30,11 +30,13 @@
 //!   known, chunked otherwise, no body for `HEAD`, 204 and 304, an implicit
 //!   `content-length: 0`, a cached `date` header, `connection: close` when the connection
 //!   ends after the answer. A head and a small body go out in one `write`.
-//! - As in hyper: keep-alive, pipelined requests answered in order, 30 s to receive a
-//!   complete head (idle keep-alive connections are closed after that), a client that
-//!   closes its connection while its request is served cancels the request (side effects
-//!   run in tasks of their own and finish anyway), a response body that fails ends the
-//!   connection without completing the message.
+//! - As in hyper: keep-alive, pipelined requests answered in order, `timeouts.client_header`
+//!   (30 s) to receive a complete head (idle keep-alive connections are closed after
+//!   that), `timeouts.client_body` (60 s) between two pieces of a body (then `408` and
+//!   the connection closed), a client that closes its connection while its request is
+//!   served cancels the request (side effects run in tasks of their own and finish
+//!   anyway), a response body that fails ends the connection without completing the
+//!   message.
 //! - Shutdown: an idle connection is closed; a request in flight is finished and answered
 //!   with `connection: close`; a connection hyper serves is shut down gracefully by hyper.
 //!
