@@ -135,6 +135,7 @@ pub async fn start(cfg: Config, store: Arc<dyn Store>) -> anyhow::Result<Running
     let reconcile_every = cfg.store.reconcile_interval;
     // Read once at start, like `listen`: a reload does not change the listener.
     let max_header_bytes = cfg.limits.max_header_bytes;
+    let (head_timeout, body_timeout) = (cfg.timeouts.client_header, cfg.timeouts.client_body);
     let exclusive = matches!(cfg.store.backend, StoreBackend::Redb { .. });
     // A redb file is locked by one process: every `executing` record in it belongs to a
     // previous run that died, whatever its lease says. A shared store waits for leases.
@@ -172,6 +173,8 @@ pub async fn start(cfg: Config, store: Arc<dyn Store>) -> anyhow::Result<Running
     let p = proxy.clone();
     let options = crate::wire::server::Options {
         max_header_bytes,
+        head_timeout,
+        body_timeout,
         ..crate::wire::server::Options::from_env(Duration::from_secs(30))
     };
     let hyper_connections = proxy.metrics.hyper_connections.clone();

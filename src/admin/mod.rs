@@ -43,13 +43,21 @@ pub async fn spawn(
 ) -> std::io::Result<(SocketAddr, JoinHandle<()>)> {
     let listener = TcpListener::bind(listen).await?;
     let addr = listener.local_addr()?;
+    let head_timeout = proxy.runtime().config.timeouts.client_header;
     let admin = Arc::new(Admin { proxy, tokens });
     let task = tokio::spawn(async move {
         let handler = move |req, _peer| api::handle(admin.clone(), req);
         let stop = async move {
             let _ = shutdown.wait_for(|stop| *stop).await;
         };
-        crate::wire::server::serve(listener, handler, stop, Duration::from_secs(5)).await;
+        crate::wire::server::serve(
+            listener,
+            handler,
+            stop,
+            Duration::from_secs(5),
+            head_timeout,
+        )
+        .await;
     });
     tracing::info!(%addr, "admin listening");
     Ok((addr, task))

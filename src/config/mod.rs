@@ -153,6 +153,30 @@ pub struct Timeouts {
     pub request: Duration,
     /// Longest a `concurrent: wait` duplicate is held before answering 409.
     pub wait: Duration,
+    /// Longest a client connection may take to send a complete request head, counted
+    /// from the first byte of it, or from when the connection is idle (opened, or after
+    /// its last answer); then the connection is closed (hyper's `header_read_timeout`).
+    pub client_header: Duration,
+    /// Longest a request body may go without a byte arriving: `408` and the connection
+    /// closed (nginx's `client_body_timeout`).
+    pub client_body: Duration,
+    /// Longest a read-only answer's body may go without a byte from the upstream once its
+    /// head came: the answer is cut off and the client's connection closed (nginx's
+    /// `proxy_read_timeout`). Side effects are bounded by the route's `timeout` instead.
+    pub upstream_body: Duration,
+}
+
+impl Default for Timeouts {
+    fn default() -> Timeouts {
+        Timeouts {
+            connect: Duration::from_secs(5),
+            request: Duration::from_secs(30),
+            wait: Duration::from_secs(30),
+            client_header: Duration::from_secs(30),
+            client_body: Duration::from_secs(60),
+            upstream_body: Duration::from_secs(60),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

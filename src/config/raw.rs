@@ -80,6 +80,9 @@ pub struct RawTimeouts {
     pub connect: Option<String>,
     pub request: Option<String>,
     pub wait: Option<String>,
+    pub client_header: Option<String>,
+    pub client_body: Option<String>,
+    pub upstream_body: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]

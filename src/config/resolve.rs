@@ -276,21 +276,26 @@ impl Validator {
         let store = self.store(raw.store);
         let limits = self.limits(raw.limits);
         let identity = self.identity(raw.identity);
+        let d = Timeouts::default();
+        let t = &raw.timeouts;
         let timeouts = Timeouts {
-            connect: self.duration(
-                "timeouts.connect",
-                raw.timeouts.connect.as_deref(),
-                Duration::from_secs(5),
+            connect: self.duration("timeouts.connect", t.connect.as_deref(), d.connect),
+            request: self.duration("timeouts.request", t.request.as_deref(), d.request),
+            wait: self.duration("timeouts.wait", t.wait.as_deref(), d.wait),
+            client_header: self.duration(
+                "timeouts.client_header",
+                t.client_header.as_deref(),
+                d.client_header,
             ),
-            request: self.duration(
-                "timeouts.request",
-                raw.timeouts.request.as_deref(),
-                Duration::from_secs(30),
+            client_body: self.duration(
+                "timeouts.client_body",
+                t.client_body.as_deref(),
+                d.client_body,
             ),
-            wait: self.duration(
-                "timeouts.wait",
-                raw.timeouts.wait.as_deref(),
-                Duration::from_secs(30),
+            upstream_body: self.duration(
+                "timeouts.upstream_body",
+                t.upstream_body.as_deref(),
+                d.upstream_body,
             ),
         };
         let unmatched = self.one_of(

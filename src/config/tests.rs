@@ -209,3 +209,25 @@ fn admin_tokens_are_named_scoped_and_checked() {
         "{text}"
     );
 }
+
+#[test]
+fn connection_deadlines_have_defaults_and_are_read_with_their_paths() {
+    let up = "upstreams:\n  - name: mail\n    url: http://127.0.0.1:1\n";
+    let cfg = from_yaml(up, Path::new("cfg.yaml")).expect("valid");
+    assert_eq!(cfg.timeouts.client_header, Duration::from_secs(30));
+    assert_eq!(cfg.timeouts.client_body, Duration::from_secs(60));
+    assert_eq!(cfg.timeouts.upstream_body, Duration::from_secs(60));
+    let cfg = from_yaml(
+        &format!("timeouts: {{ client_header: 2s, client_body: 3s, upstream_body: 4s }}\n{up}"),
+        Path::new("cfg.yaml"),
+    )
+    .expect("valid");
+    assert_eq!(cfg.timeouts.client_header, Duration::from_secs(2));
+    assert_eq!(cfg.timeouts.client_body, Duration::from_secs(3));
+    assert_eq!(cfg.timeouts.upstream_body, Duration::from_secs(4));
+    let text = errors(&format!("timeouts: {{ client_body: 0s }}\n{up}"));
+    assert!(
+        text.contains("cfg.yaml: timeouts.client_body: expected a positive duration"),
+        "{text}"
+    );
+}

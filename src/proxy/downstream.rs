@@ -163,6 +163,13 @@ pub fn response_headers(h: &mut HeaderMap) {
     headers::strip_hop_by_hop(h);
 }
 
+/// Response headers to store with a result: hop-by-hop removed, and the framing fields
+/// too ([`crate::wire::framing`]): whichever writer replays it frames the stored body.
+pub fn stored_headers(h: &mut HeaderMap) {
+    headers::strip_hop_by_hop(h);
+    h.remove(http::header::CONTENT_LENGTH);
+}
+
 pub fn header_value(s: &str) -> HeaderValue {
     HeaderValue::from_str(s).unwrap_or_else(|_| HeaderValue::from_static("invalid"))
 }

@@ -82,6 +82,7 @@ pub async fn forward(
         Ok(resp) => {
             let (mut rparts, rbody) = resp.into_parts();
             downstream::response_headers(&mut rparts.headers);
+            let rbody = body::StallBody::new(rbody, rt.config.timeouts.upstream_body);
             Response::from_parts(rparts, rbody.boxed())
         }
         Err(problem) => problem,
@@ -129,7 +130,7 @@ pub fn forward_raw(
             status,
             head: bytes,
             fields,
-            body: body.boxed(),
+            body: body::StallBody::new(body, rt.config.timeouts.upstream_body).boxed(),
         })
     }
 }
@@ -230,7 +231,7 @@ where
                 tracing::debug!(upstream = %upstream.name, route = %route.name, attempt, error = %client::describe(&e), "upstream request failed");
                 if last {
                     return Err(Problem::new(
-                        Kind::UpstreamUnavailable,
+                        Kind::of_send_error(&e),
                         format!(
                             "upstream `{}` failed: {}",
                             upstream.name,

@@ -193,11 +193,16 @@ pub fn execution_id_of(answer: &RawAnswer) -> &[u8] {
 }
 
 /// Status and headers of a stored answer as the client gets them: the downstream's
-/// headers in their order, plus the execution id.
+/// headers in their order, plus the execution id. Framing fields are not among them
+/// ([`crate::wire::framing`]): records stored before they were kept out, or resolved by
+/// an operator with them, still replay framed by their body alone.
 pub fn response_head(stored: &StoredResponse, id: &ExecutionId) -> (StatusCode, HeaderMap) {
     let status = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::BAD_GATEWAY);
     let mut h = HeaderMap::with_capacity(stored.headers.len() + 2);
     for (n, v) in &stored.headers {
+        if crate::wire::framing::is_framing_name(n.as_bytes()) {
+            continue;
+        }
         if let (Ok(n), Ok(v)) = (
             http::HeaderName::from_bytes(n.as_bytes()),
             HeaderValue::from_bytes(v),
@@ -240,6 +245,23 @@ mod tests {
         });
         r.apply(Event::Commit, 2, None).expect("commit");
         r
+    }
+
+    #[test]
+    fn stored_framing_fields_are_not_replayed() {
+        // A record stored before framing fields were kept out of records.
+        let stored = StoredResponse {
+            status: 200,
+            headers: vec![
+                ("content-length".into(), b"3".to_vec()),
+                ("Transfer-Encoding".into(), b"chunked".to_vec()),
+                ("content-type".into(), b"text/plain".to_vec()),
+            ],
+            body: b"abcHTTP/1.1 200 OK\r\n\r\n".to_vec(),
+        };
+        let (_, h) = response_head(&stored, &ExecutionId("ex_f".into()));
+        let names: Vec<_> = h.keys().map(|n| n.as_str()).collect();
+        assert_eq!(names, ["content-type", "idempotency-execution-id"]);
     }
 
     #[test]

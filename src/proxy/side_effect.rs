@@ -367,7 +367,7 @@ async fn read_body(
         body::ReadError::TooLarge => too_large(),
         body::ReadError::Body(e) => Box::new(
             Problem::new(
-                Kind::BadRequest,
+                Kind::of_request_body_error(&*e),
                 format!("could not read the request body: {e}"),
             )
             .into_response(),
@@ -1040,7 +1040,7 @@ impl Call<'_> {
                     return self.finish_still_in_flight(record).await;
                 }
                 let mut rheaders = rparts.headers;
-                downstream::response_headers(&mut rheaders);
+                downstream::stored_headers(&mut rheaders);
                 let stored = StoredResponse {
                     status: rparts.status.as_u16(),
                     headers: rheaders

@@ -2,8 +2,10 @@
 //! requests it serves, and a body wrapper that reports when the last byte was handed to
 //! the connection (for `result_delivered`).
 
+use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use http_body::{Body, Frame, SizeHint};
@@ -36,7 +38,9 @@ pub enum RequestBody {
         failed: bool,
     },
     /// hyper's streamed body.
-    Streamed(hyper::body::Incoming),
+    /// hyper's stream, with the longest wait for its next frame
+    /// (`timeouts.client_body`): past it the body fails with [`TimedOut`].
+    Streamed(hyper::body::Incoming, Stall),
 }
 
 impl RequestBody {
@@ -55,9 +59,147 @@ impl RequestBody {
     }
 }
 
-impl From<hyper::body::Incoming> for RequestBody {
-    fn from(incoming: hyper::body::Incoming) -> Self {
-        RequestBody::Streamed(incoming)
+impl RequestBody {
+    /// hyper's stream of a request body, which fails with [`TimedOut`] when no frame
+    /// comes for `stall`.
+    pub fn streamed(incoming: hyper::body::Incoming, stall: Duration) -> RequestBody {
+        RequestBody::Streamed(incoming, Stall::new(stall))
+    }
+}
+
+/// A request body that the client framed wrongly (a malformed chunk, a connection that
+/// ended inside it): the client's fault, answered 400, where an upstream's is 502.
+#[derive(Debug)]
+pub struct ClientBody(pub BoxError);
+
+impl std::fmt::Display for ClientBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "the request body could not be read: {}", self.0)
+    }
+}
+
+impl std::error::Error for ClientBody {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.0)
+    }
+}
+
+/// Whether `e`, or an error it wraps, is an `E`.
+pub fn caused_by<E: std::error::Error + 'static>(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut e = Some(e);
+    while let Some(err) = e {
+        if err.is::<E>() {
+            return true;
+        }
+        e = err.source();
+    }
+    false
+}
+
+/// A body (or anything read in pieces) that went too long without progress.
+#[derive(Debug)]
+pub struct TimedOut(pub &'static str);
+
+impl std::fmt::Display for TimedOut {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.0)
+    }
+}
+
+impl std::error::Error for TimedOut {}
+
+/// A deadline for progress: armed when a poll finds nothing ready, cleared by the next
+/// frame. The timer is made the first time a wait happens (a body already buffered never
+/// makes one) and reset after that.
+#[derive(Debug)]
+pub struct Stall {
+    limit: Duration,
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    armed: bool,
+}
+
+impl Stall {
+    pub fn new(limit: Duration) -> Stall {
+        Stall {
+            limit,
+            timer: None,
+            armed: false,
+        }
+    }
+
+    /// After an inner poll: `polled` went through unless it is pending past the deadline,
+    /// which fails it with [`TimedOut`] (`what`).
+    pub fn check<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        polled: Poll<Option<Result<T, BoxError>>>,
+        what: &'static str,
+    ) -> Poll<Option<Result<T, BoxError>>> {
+        if polled.is_ready() {
+            self.armed = false;
+            return polled;
+        }
+        if !self.armed {
+            let deadline = tokio::time::Instant::now() + self.limit;
+            match self.timer.as_mut() {
+                Some(t) => t.as_mut().reset(deadline),
+                None => self.timer = Some(Box::pin(tokio::time::sleep_until(deadline))),
+            }
+            self.armed = true;
+        }
+        let timer = self.timer.as_mut().expect("armed above");
+        match timer.as_mut().poll(cx) {
+            Poll::Ready(()) => {
+                self.armed = false;
+                Poll::Ready(Some(Err(Box::new(TimedOut(what)))))
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+/// A body whose next frame may not take longer than a [`Stall`] allows (an upstream
+/// answer's body on a read-only route: `timeouts.upstream_body`).
+pub struct StallBody<B> {
+    inner: B,
+    stall: Stall,
+}
+
+impl<B> StallBody<B> {
+    pub fn new(inner: B, limit: Duration) -> StallBody<B> {
+        StallBody {
+            inner,
+            stall: Stall::new(limit),
+        }
+    }
+}
+
+impl<B> Body for StallBody<B>
+where
+    B: Body<Data = Bytes, Error = BoxError> + Unpin,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        let polled = Pin::new(&mut this.inner).poll_frame(cx);
+        this.stall.check(
+            cx,
+            polled,
+            "the upstream sent no more of the answer's body within timeouts.upstream_body",
+        )
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
     }
 }
 
@@ -76,15 +218,22 @@ impl Body for RequestBody {
                 None if *failed => None,
                 None => {
                     *failed = true;
-                    Some(Err(
+                    Some(Err(Box::new(ClientBody(
                         "the client closed its connection before the end of the request body"
                             .into(),
-                    ))
+                    ))))
                 }
             }),
-            RequestBody::Streamed(incoming) => Pin::new(incoming)
-                .poll_frame(cx)
-                .map_err(|e| Box::new(e) as BoxError),
+            RequestBody::Streamed(incoming, stall) => {
+                let polled = Pin::new(incoming)
+                    .poll_frame(cx)
+                    .map_err(|e| Box::new(ClientBody(Box::new(e))) as BoxError);
+                stall.check(
+                    cx,
+                    polled,
+                    "the client sent no more of the request body within timeouts.client_body",
+                )
+            }
         }
     }
 
@@ -92,7 +241,7 @@ impl Body for RequestBody {
         match self {
             RequestBody::Read(data) => data.is_none(),
             RequestBody::Cut { failed, .. } => *failed,
-            RequestBody::Streamed(incoming) => incoming.is_end_stream(),
+            RequestBody::Streamed(incoming, _) => incoming.is_end_stream(),
         }
     }
 
@@ -103,7 +252,7 @@ impl Body for RequestBody {
             }
             // What the head declared, as hyper's body says.
             RequestBody::Cut { declared, .. } => SizeHint::with_exact(*declared),
-            RequestBody::Streamed(incoming) => incoming.size_hint(),
+            RequestBody::Streamed(incoming, _) => incoming.size_hint(),
         }
     }
 }

@@ -73,6 +73,7 @@ impl HttpClient {
             // Boxed, as the rare case: the common request's future stays small (every
             // request's future is as large as its largest branch).
             let (resp, conn) = Box::pin(self.plain.send(req)).await?;
+            unsolicited_switch(resp.status())?;
             return Ok(resp.map(|body| Held {
                 body: HeldBody::Hyper {
                     body,
@@ -82,6 +83,7 @@ impl HttpClient {
             }));
         }
         let resp = self.tls.request(req).await.map_err(SendError::pooled)?;
+        unsolicited_switch(resp.status())?;
         Ok(resp.map(|body| Held {
             body: HeldBody::Hyper { body, conn: None },
             permit,
@@ -109,6 +111,19 @@ impl HttpClient {
             },
         ))
     }
+}
+
+/// A `101 Switching Protocols` answer is an error after send: the proxy forwards no
+/// `Upgrade`, so no upstream may switch (as [`h1`] refuses it), and the connection it came
+/// on is dropped with the answer.
+fn unsolicited_switch(status: http::StatusCode) -> Result<(), SendError> {
+    if status == http::StatusCode::SWITCHING_PROTOCOLS {
+        return Err(SendError::after(
+            "unexpected status 101",
+            "the upstream switched protocols, which the proxy never asks for",
+        ));
+    }
+    Ok(())
 }
 
 /// A response body holding its request's in-flight slot and, for [`Http1Pool`], its

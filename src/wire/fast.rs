@@ -30,11 +30,13 @@
 //!   known, chunked otherwise, no body for `HEAD`, 204 and 304, an implicit
 //!   `content-length: 0`, a cached `date` header, `connection: close` when the connection
 //!   ends after the answer. A head and a small body go out in one `write`.
-//! - As in hyper: keep-alive, pipelined requests answered in order, 30 s to receive a
-//!   complete head (idle keep-alive connections are closed after that), a client that
-//!   closes its connection while its request is served cancels the request (side effects
-//!   run in tasks of their own and finish anyway), a response body that fails ends the
-//!   connection without completing the message.
+//! - As in hyper: keep-alive, pipelined requests answered in order, `timeouts.client_header`
+//!   (30 s) to receive a complete head (idle keep-alive connections are closed after
+//!   that), `timeouts.client_body` (60 s) between two pieces of a body (then `408` and
+//!   the connection closed), a client that closes its connection while its request is
+//!   served cancels the request (side effects run in tasks of their own and finish
+//!   anyway), a response body that fails ends the connection without completing the
+//!   message.
 //! - Shutdown: an idle connection is closed; a request in flight is finished and answered
 //!   with `connection: close`; a connection hyper serves is shut down gracefully by hyper.
 //!
@@ -71,9 +73,8 @@ use super::raw::{Field, Fields, RawAnswer, RawOutcome, RawRequest};
 pub const MAX_BODY: usize = 64 * 1024;
 /// The most request headers, as hyper's default.
 const MAX_HEADERS: usize = 100;
-/// How long a complete request head may take to arrive, as hyper's default
-/// `header_read_timeout`.
-const HEAD_TIMEOUT: Duration = Duration::from_secs(30);
+/// The HTTP/2 connection preface, which hyper-util's version detection reads first.
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 /// The read buffer's size, as hyper's first read buffer.
 const READ_SPACE: usize = 8 * 1024;
 /// Response data at least this long is written from its own buffer, not copied.
@@ -109,6 +110,11 @@ pub struct Shared<H> {
     pub fast: bool,
     /// Called for every connection handed to hyper (a metric).
     pub on_hand_off: HandOffHook,
+    /// How long a complete request head may take (`timeouts.client_header`), counted from
+    /// its first byte or from when the connection went idle.
+    pub head_timeout: Duration,
+    /// How long a request body may go without a byte (`timeouts.client_body`).
+    pub body_timeout: Duration,
 }
 
 /// What [`Shared::on_hand_off`] is.
@@ -137,6 +143,8 @@ pub async fn serve<H>(
             End::Close => return,
             End::HandOff => {}
         }
+    } else if !first_bytes(&mut conn.stream, &mut conn.buf, shared.head_timeout).await {
+        return;
     }
     let Conn { stream, buf, .. } = conn;
     (shared.on_hand_off)();
@@ -154,9 +162,14 @@ async fn hand_off<H>(
     H: Handler,
 {
     let handler = shared.handler.clone();
+    let body_timeout = shared.body_timeout;
     let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
-        let served = match unsupported_coding(req.headers()) {
-            None => Ok(handler.call(req.map(RequestBody::from), peer.clone())),
+        let refused = unsupported_coding(req.headers()).or_else(|| bad_host(&req));
+        let served = match refused {
+            None => Ok(handler.call(
+                req.map(|b| RequestBody::streamed(b, body_timeout)),
+                peer.clone(),
+            )),
             Some(refused) => Err(refused),
         };
         async move {
@@ -201,6 +214,22 @@ fn unsupported_coding(headers: &HeaderMap) -> Option<Response<ProxyBody>> {
         )
         .into_response(),
     )
+}
+
+/// `400 bad-request` for an HTTP/1.1 request without exactly one valid `Host` (RFC 9112
+/// section 3.2; HTTP/1.0 needs none, HTTP/2 has `:authority`). The fast path hands such
+/// a request here, so both servers answer it the same.
+fn bad_host<B>(req: &Request<B>) -> Option<Response<ProxyBody>> {
+    if req.version() != http::Version::HTTP_11 {
+        return None;
+    }
+    let why = super::headers::host_problem(
+        req.headers()
+            .get_all(header::HOST)
+            .iter()
+            .map(|v| v.as_bytes()),
+    )?;
+    Some(Problem::new(Kind::BadRequest, format!("{why}; nothing was forwarded")).into_response())
 }
 
 /// What the handler answered: an `http::Response`, or an upstream's answer as bytes.
@@ -276,7 +305,7 @@ impl Conn {
         // wait: setting a timer and a watch up for each request cost about 1,000
         // instructions of a pass-through's 27,000 (docs/PERFORMANCE.md, item 35).
         let mut head_since = tokio::time::Instant::now();
-        let head_timer = tokio::time::sleep_until(head_since + HEAD_TIMEOUT);
+        let head_timer = tokio::time::sleep_until(head_since + shared.head_timeout);
         tokio::pin!(head_timer);
         let stop = super::server::stopped(shutdown);
         tokio::pin!(stop);
@@ -306,9 +335,9 @@ impl Conn {
                     // The timer runs to the first deadline it was set for and is set again
                     // only then: to the current wait's deadline, or it ends the connection.
                     _ = head_timer.as_mut() => {
-                        let deadline = head_since + HEAD_TIMEOUT;
+                        let deadline = head_since + shared.head_timeout;
                         if deadline <= tokio::time::Instant::now() {
-                            tracing::debug!("no complete request head within 30 s; closing the connection");
+                            tracing::debug!("no complete request head within timeouts.client_header; closing the connection");
                             return End::Close;
                         }
                         head_timer.as_mut().reset(deadline);
@@ -323,12 +352,32 @@ impl Conn {
             let mut ended = false;
             while self.buf.len() < head.body_len {
                 self.buf.reserve(head.body_len - self.buf.len());
-                match self.stream.read_buf(&mut self.buf).await {
-                    Ok(0) | Err(_) => {
+                let read = self.stream.read_buf(&mut self.buf);
+                match tokio::time::timeout(shared.body_timeout, read).await {
+                    Ok(Ok(0) | Err(_)) => {
                         (close, ended) = (true, true);
                         break;
                     }
-                    Ok(_) => {}
+                    Ok(Ok(_)) => {}
+                    Err(_) => {
+                        // The client stopped sending its body: 408, and the connection
+                        // ends (what it would send next is the rest of this body).
+                        let timed_out = Problem::new(
+                            Kind::RequestTimeout,
+                            "the client sent no more of the request body within timeouts.client_body; nothing was forwarded",
+                        )
+                        .into_response();
+                        let mut close = true;
+                        let is_head = head.method == Method::HEAD;
+                        if self
+                            .respond(Answer::Response(timed_out), is_head, &mut close)
+                            .await
+                            .is_ok()
+                        {
+                            let _ = self.stream.shutdown().await;
+                        }
+                        return End::Close;
+                    }
                 }
             }
             let (body, cut) = if ended {
@@ -555,10 +604,15 @@ fn parse(buf: &mut BytesMut, max_head: usize) -> Parsed {
     let path_at = at(path.as_bytes());
     let mut body_len = None;
     let mut close = false;
+    let mut host = None;
     let mut fields = Fields::new();
     for h in req.headers.iter() {
         let name = h.name.as_bytes();
         match name.len() {
+            // A second `Host` is hyper's to refuse (see `bad_host`).
+            4 if name.eq_ignore_ascii_case(b"host") && host.replace(h.value).is_some() => {
+                return Parsed::HandOff
+            }
             6 if name.eq_ignore_ascii_case(b"expect") => return Parsed::HandOff,
             7 if name.eq_ignore_ascii_case(b"upgrade") => return Parsed::HandOff,
             17 if name.eq_ignore_ascii_case(b"transfer-encoding") => return Parsed::HandOff,
@@ -574,6 +628,9 @@ fn parse(buf: &mut BytesMut, max_head: usize) -> Parsed {
             _ => {}
         }
         fields.push(Field::new(at(name), at(h.value)));
+    }
+    if !host.is_some_and(super::headers::valid_host) {
+        return Parsed::HandOff;
     }
     let head = buf.split_to(len).freeze();
     let Ok(uri) = Uri::from_maybe_shared(head.slice(path_at)) else {
@@ -784,10 +841,43 @@ fn date_line(out: &mut Vec<u8>) {
     });
 }
 
+/// Read a connection's first bytes into `buf` for hyper (which reads them again), within
+/// `within`: enough for hyper-util's HTTP/2 detection to decide (the preface, or a byte
+/// that is not it), which waits for them without a deadline of its own. `false`: the
+/// connection ended, or sent too little in time, and is to be dropped.
+pub(super) async fn first_bytes(
+    stream: &mut TcpStream,
+    buf: &mut BytesMut,
+    within: Duration,
+) -> bool {
+    let read = async {
+        while buf.len() < H2_PREFACE.len() && H2_PREFACE.starts_with(buf) {
+            match stream.read_buf(buf).await {
+                Ok(0) | Err(_) => return false,
+                Ok(_) => {}
+            }
+        }
+        true
+    };
+    match tokio::time::timeout(within, read).await {
+        Ok(read) => read,
+        Err(_) => {
+            tracing::debug!("no request within timeouts.client_header; closing the connection");
+            false
+        }
+    }
+}
+
 /// A socket with bytes already read from it put back in front, for hyper to read again.
-struct Rewound {
+pub(super) struct Rewound {
     prefix: Bytes,
     stream: TcpStream,
+}
+
+impl Rewound {
+    pub(super) fn new(prefix: Bytes, stream: TcpStream) -> Rewound {
+        Rewound { prefix, stream }
+    }
 }
 
 impl AsyncRead for Rewound {
@@ -898,7 +988,7 @@ mod tests {
 
     #[test]
     fn notes_connection_close() {
-        let (p, _) = parsed(b"GET / HTTP/1.1\r\nConnection: keep-alive, Close\r\n\r\n");
+        let (p, _) = parsed(b"GET / HTTP/1.1\r\nHost: h\r\nConnection: keep-alive, Close\r\n\r\n");
         let Parsed::Ready(head) = p else {
             panic!("not taken")
         };
@@ -928,6 +1018,10 @@ mod tests {
             b"GET / HTTP/1.1\r\nx: a\r\n folded\r\n\r\n",
             // httparse takes `<` in a path, `Uri` does not: the head is put back.
             b"GET /a<b HTTP/1.1\r\nHost: x\r\n\r\nGET / HTTP/1.1\r\n\r\n",
+            // No `Host`, two, or an invalid one: hyper's to refuse (400).
+            b"GET / HTTP/1.1\r\n\r\n",
+            b"GET / HTTP/1.1\r\nHost: a\r\nhost: a\r\n\r\n",
+            b"GET / HTTP/1.1\r\nHost: a b/c@d\r\n\r\n",
         ] {
             hands_off(bytes);
         }

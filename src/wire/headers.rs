@@ -31,7 +31,10 @@ const HOP_BY_HOP: [&str; 9] = [
     "upgrade",
 ];
 
-/// Remove hop-by-hop headers, including every header the `Connection` header names.
+/// Remove hop-by-hop headers, including every header the `Connection` header names, and
+/// `Expect: 100-continue` (answered by this proxy's server); a
+/// `Transfer-Encoding` takes any `Content-Length` with it (RFC 9112 section 6.3: the
+/// coding framed the message, so the length is stale; [`super::framing`]).
 pub fn strip_hop_by_hop(h: &mut HeaderMap) {
     // One pass over the names finds what to remove, so only headers that are there cost a
     // hashed removal. Most requests carry none; most responses only `Connection:
@@ -39,11 +42,28 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap) {
     // here allocates unless a `Connection` header names a header of its own.
     let mut found: SmallVec<[HeaderName; 4]> = SmallVec::new();
     let mut connection = false;
+    let mut coded = false;
+    let mut expect = false;
     for name in h.keys() {
         if is_hop_by_hop(name) {
             connection |= name == header::CONNECTION;
+            coded |= name == header::TRANSFER_ENCODING;
             found.push(name.clone());
+        } else if name == header::EXPECT {
+            expect = true;
         }
+    }
+    // `100-continue` was the proxy's server's to answer, and it did: the upstream gets
+    // the body without being asked. Other expectations go on (hyper ignores them).
+    if expect
+        && h.get_all(header::EXPECT)
+            .iter()
+            .all(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"))
+    {
+        found.push(header::EXPECT);
+    }
+    if coded {
+        found.push(header::CONTENT_LENGTH);
     }
     if connection {
         let mut named: SmallVec<[HeaderName; 2]> = SmallVec::new();
@@ -145,6 +165,55 @@ impl HeaderLookup for HeaderMap {
     }
 }
 
+/// Whether a `Host` field value is `uri-host [ ":" port ]` (RFC 9112 section 3.2, RFC
+/// 3986 section 3.2.2): a registered name (unreserved, percent-encoded and sub-delims
+/// characters), an IPv4 address or a bracketed IP literal, then digits after a colon.
+/// Empty is valid (a target without an authority). No user info, path, or blank.
+pub fn valid_host(value: &[u8]) -> bool {
+    let (host, port) = match value.first() {
+        Some(b'[') => match value.iter().position(|b| *b == b']') {
+            Some(end) => {
+                let literal = &value[1..end];
+                if literal.is_empty()
+                    || !literal.iter().all(|b| {
+                        b.is_ascii_hexdigit() || b":.vV".contains(b) || is_sub_or_unreserved(*b)
+                    })
+                {
+                    return false;
+                }
+                match &value[end + 1..] {
+                    [] => return true,
+                    [b':', port @ ..] => (&[][..], Some(port)),
+                    _ => return false,
+                }
+            }
+            None => return false,
+        },
+        _ => match value.iter().rposition(|b| *b == b':') {
+            Some(colon) => (&value[..colon], Some(&value[colon + 1..])),
+            None => (value, None),
+        },
+    };
+    host.iter().all(|b| is_sub_or_unreserved(*b) || *b == b'%')
+        && port.is_none_or(|p| p.iter().all(u8::is_ascii_digit))
+}
+
+/// RFC 3986's unreserved and sub-delims characters.
+fn is_sub_or_unreserved(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"-._~!$&'()*+,;=".contains(&b)
+}
+
+/// Why an HTTP/1.1 request's `Host` fields are refused (RFC 9112 section 3.2: none, more
+/// than one, or an invalid value), or `None` if they are fine.
+pub fn host_problem<'a>(mut hosts: impl Iterator<Item = &'a [u8]>) -> Option<&'static str> {
+    match (hosts.next(), hosts.next()) {
+        (None, _) => Some("an HTTP/1.1 request needs a Host header"),
+        (Some(_), Some(_)) => Some("the request has more than one Host header"),
+        (Some(h), None) if !valid_host(h) => Some("the request's Host header is not a valid host"),
+        _ => None,
+    }
+}
+
 /// `value` as text if it is visible ASCII (tabs allowed), the test `HeaderValue::to_str`
 /// makes.
 pub fn visible_ascii(value: &[u8]) -> Option<&str> {
@@ -241,6 +310,56 @@ mod tests {
         strip_hop_by_hop(&mut h);
         assert_eq!(h.len(), 1);
         assert!(h.contains_key("x-keep"));
+    }
+
+    #[test]
+    fn a_transfer_encoding_takes_the_content_length_with_it() {
+        let mut h = HeaderMap::new();
+        h.insert(header::CONTENT_LENGTH, HeaderValue::from_static("3"));
+        h.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
+        h.insert("x-keep", HeaderValue::from_static("1"));
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h.len(), 1, "{h:?}");
+        let mut only_length = HeaderMap::new();
+        only_length.insert(header::CONTENT_LENGTH, HeaderValue::from_static("3"));
+        strip_hop_by_hop(&mut only_length);
+        assert_eq!(only_length["content-length"], "3");
+    }
+
+    #[test]
+    fn hosts_are_checked_as_rfc_9112_asks() {
+        for ok in [
+            "",
+            "example.com",
+            "example.com:8080",
+            "127.0.0.1:1",
+            "[::1]",
+            "[::1]:443",
+            "a-b_c~d.%41",
+            "xn--bcher-kva.example",
+        ] {
+            assert!(valid_host(ok.as_bytes()), "{ok}");
+        }
+        for bad in [
+            "a b/c@d",
+            "user@host",
+            "host/path",
+            "host:port",
+            "[::1",
+            "[::1]x",
+            "[]",
+            "host?",
+            "ho\tst",
+        ] {
+            assert!(!valid_host(bad.as_bytes()), "{bad}");
+        }
+        assert!(host_problem([].into_iter()).is_some());
+        assert!(host_problem([&b"a"[..], b"a"].into_iter()).is_some());
+        assert!(host_problem([&b"a b/c@d"[..]].into_iter()).is_some());
+        assert!(host_problem([&b"a:1"[..]].into_iter()).is_none());
     }
 
     #[test]

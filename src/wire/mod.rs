@@ -4,6 +4,7 @@
 pub mod body;
 pub mod client;
 pub mod fast;
+pub mod framing;
 pub mod h1;
 pub mod headers;
 pub mod problem;

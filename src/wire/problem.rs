@@ -44,10 +44,34 @@ pub enum Kind {
     /// A request framed in a way the proxy cannot pass on (a transfer coding other than
     /// `chunked`).
     NotImplemented,
+    /// The client sent its request too slowly (`timeouts.client_body`).
+    RequestTimeout,
     Internal,
 }
 
 impl Kind {
+    /// What a request body that could not be read means: the client was too slow (408),
+    /// else it framed the body wrongly (400).
+    pub fn of_request_body_error(e: &(dyn std::error::Error + 'static)) -> Kind {
+        if super::body::caused_by::<super::body::TimedOut>(e) {
+            Kind::RequestTimeout
+        } else {
+            Kind::BadRequest
+        }
+    }
+
+    /// What a failed upstream exchange means for its client: the client's own request
+    /// body failed it (408 or 400, [`Kind::of_request_body_error`]), else the upstream
+    /// did (502).
+    pub fn of_send_error(e: &(dyn std::error::Error + 'static)) -> Kind {
+        if super::body::caused_by::<super::body::TimedOut>(e) {
+            Kind::RequestTimeout
+        } else if super::body::caused_by::<super::body::ClientBody>(e) {
+            Kind::BadRequest
+        } else {
+            Kind::UpstreamUnavailable
+        }
+    }
     pub fn name(self) -> &'static str {
         match self {
             Kind::KeyMissing => "key-missing",
@@ -76,6 +100,7 @@ impl Kind {
             Kind::Conflict => "conflict",
             Kind::ApprovalMismatch => "approval-mismatch",
             Kind::NotImplemented => "not-implemented",
+            Kind::RequestTimeout => "request-timeout",
             Kind::Internal => "internal",
         }
     }
@@ -103,6 +128,7 @@ impl Kind {
             Kind::Unauthorized => StatusCode::UNAUTHORIZED,
             Kind::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             Kind::NotImplemented => StatusCode::NOT_IMPLEMENTED,
+            Kind::RequestTimeout => StatusCode::REQUEST_TIMEOUT,
             Kind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -135,6 +161,7 @@ impl Kind {
             Kind::Conflict => "Conflict",
             Kind::ApprovalMismatch => "Approval does not match the execution's arguments",
             Kind::NotImplemented => "Not implemented",
+            Kind::RequestTimeout => "Request timed out",
             Kind::Internal => "Internal error",
         }
     }

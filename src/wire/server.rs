@@ -51,11 +51,20 @@ pub struct Options {
     /// Serve plain HTTP/1.1 requests on the fast path ([`super::fast`]); `false` hands
     /// every connection to hyper (`IDEMPROXY_FAST_PATH=0`).
     pub fast_path: bool,
+    /// `timeouts.client_header`: the longest wait for a complete request head, from its
+    /// first byte or from when the connection went idle; then the connection is closed.
+    pub head_timeout: Duration,
+    /// `timeouts.client_body`: the longest a request body may go without a byte (408).
+    pub body_timeout: Duration,
 }
 
 /// `limits.max_header_bytes` by default: 8 KiB, as nginx's longest header line and
 /// Apache's longest field. hyper's HTTP/1 server accepts nothing smaller.
 pub const DEFAULT_MAX_HEADER_BYTES: usize = 8 * 1024;
+/// `timeouts.client_header` by default, as hyper's `header_read_timeout`.
+pub const DEFAULT_HEAD_TIMEOUT: Duration = Duration::from_secs(30);
+/// `timeouts.client_body` by default, as nginx's `client_body_timeout`.
+pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(60);
 /// The largest `limits.max_header_bytes` accepted.
 pub const MAX_MAX_HEADER_BYTES: usize = 1024 * 1024;
 
@@ -86,6 +95,8 @@ impl Options {
             pin: on("IDEMPROXY_PIN_WORKERS"),
             max_header_bytes: DEFAULT_MAX_HEADER_BYTES,
             fast_path: on("IDEMPROXY_FAST_PATH"),
+            head_timeout: DEFAULT_HEAD_TIMEOUT,
+            body_timeout: DEFAULT_BODY_TIMEOUT,
         }
     }
 
@@ -127,17 +138,20 @@ pub fn pin_current_thread(worker: usize, cpu: Option<core_affinity::CoreId>) {
 }
 
 /// Serve on the caller's runtime until `shutdown` resolves, then drain for at most
-/// `grace`. For listeners whose load does not matter (the admin API).
+/// `grace`. For listeners whose load does not matter (the admin API). A connection that
+/// sends no complete request head within `head_timeout` (from its first byte, or from
+/// when it went idle) is closed.
 pub async fn serve<H, F>(
     listener: TcpListener,
     handler: H,
     shutdown: impl Future<Output = ()>,
     grace: Duration,
+    head_timeout: Duration,
 ) where
     H: Fn(Request<Incoming>, ClientAddr) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<ProxyBody>> + Send + 'static,
 {
-    let builder = http_builder(DEFAULT_MAX_HEADER_BYTES);
+    let builder = http_builder(DEFAULT_MAX_HEADER_BYTES, head_timeout);
     let graceful = GracefulShutdown::new();
     tokio::pin!(shutdown);
     loop {
@@ -153,7 +167,7 @@ pub async fn serve<H, F>(
                     }
                 };
                 let _ = stream.set_nodelay(true);
-                spawn_connection(&builder, &graceful, stream, peer, handler.clone());
+                spawn_connection(&builder, &graceful, stream, peer, handler.clone(), head_timeout);
             }
             _ = &mut shutdown => break,
         }
@@ -165,11 +179,12 @@ pub async fn serve<H, F>(
     }
 }
 
-fn http_builder(max_header_bytes: usize) -> auto::Builder<TokioExecutor> {
+fn http_builder(max_header_bytes: usize, head_timeout: Duration) -> auto::Builder<TokioExecutor> {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
         .keep_alive(true)
+        .header_read_timeout(head_timeout)
         .max_buf_size(max_header_bytes.max(DEFAULT_MAX_HEADER_BYTES))
         .timer(hyper_util::rt::TokioTimer::new());
     builder.http2().timer(hyper_util::rt::TokioTimer::new());
@@ -180,9 +195,10 @@ fn http_builder(max_header_bytes: usize) -> auto::Builder<TokioExecutor> {
 fn spawn_connection<H, F>(
     builder: &auto::Builder<TokioExecutor>,
     graceful: &GracefulShutdown,
-    stream: tokio::net::TcpStream,
+    mut stream: tokio::net::TcpStream,
     peer: SocketAddr,
     handler: H,
+    head_timeout: Duration,
 ) where
     H: Fn(Request<Incoming>, ClientAddr) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<ProxyBody>> + Send + 'static,
@@ -192,9 +208,18 @@ fn spawn_connection<H, F>(
         let fut = handler(req, peer.clone());
         async move { Ok::<_, Infallible>(fut.await) }
     });
-    let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
-    let conn = graceful.watch(conn.into_owned());
+    // Counted for the drain from the start; hyper reads the first bytes again, after
+    // they came in time.
+    let builder = builder.clone();
+    let watcher = graceful.watcher();
     tokio::spawn(async move {
+        let mut first = bytes::BytesMut::new();
+        if !fast::first_bytes(&mut stream, &mut first, head_timeout).await {
+            return;
+        }
+        let io = TokioIo::new(fast::Rewound::new(first.freeze(), stream));
+        let conn = builder.serve_connection_with_upgrades(io, svc);
+        let conn = watcher.watch(conn.into_owned());
         if let Err(e) = conn.await {
             tracing::debug!(error = %e, "connection ended with error");
         }
@@ -314,10 +339,12 @@ fn worker<H>(
     rt.block_on(async move {
         let shared = Arc::new(fast::Shared {
             handler,
-            hyper: http_builder(options.max_header_bytes),
+            hyper: http_builder(options.max_header_bytes, options.head_timeout),
             max_head: options.max_header_bytes,
             fast: options.fast_path,
             on_hand_off,
+            head_timeout: options.head_timeout,
+            body_timeout: options.body_timeout,
         });
         // Every connection task holds a sender; when all are gone, all have ended.
         let (alive, mut all_ended) = mpsc::channel::<()>(1);
