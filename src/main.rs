@@ -101,7 +101,10 @@ enum Outcome {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging(cli.log_format);
+    // `serve` and `demo` narrate at info; the one-shot commands print their answer on
+    // stdout and log only warnings, so the two never interleave on a terminal.
+    let quiet = !matches!(cli.command, Command::Serve { .. } | Command::Demo);
+    init_logging(cli.log_format, if quiet { "warn" } else { "info" });
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -175,34 +178,15 @@ async fn run(cmd: Command) -> ExitCode {
                     };
                     idemproxy::app::records_list(&cfg, status, limit)
                         .await
-                        .map(|records| {
-                            out(format_args!(
-                                "{:<28} {:<24} {:<28} {:>3} {:>8}",
-                                "EXECUTION_ID", "STATE", "UPSTREAM/ROUTE", "TRY", "STATUS"
-                            ));
-                            for r in records {
-                                let status = r
-                                    .response
-                                    .as_ref()
-                                    .map(|s| s.status.to_string())
-                                    .unwrap_or_else(|| "-".into());
-                                out(format_args!(
-                                    "{:<28} {:<24} {:<28} {:>3} {:>8}",
-                                    r.id,
-                                    r.state(),
-                                    format!("{}/{}", r.upstream, r.route),
-                                    r.attempts,
-                                    status
-                                ));
-                            }
-                        })
+                        .map(|records| print_records(&records))
                 }
                 RecordsCommand::Show { id } => {
-                    idemproxy::app::records_show(&cfg, &id).await.map(|r| {
-                        out(format_args!(
-                            "{}",
-                            serde_json::to_string_pretty(&r).expect("records serialize")
-                        ));
+                    // What the admin API shows: the stored answer decoded (JSON as
+                    // JSON, text as text, anything else base64), not raw byte arrays.
+                    idemproxy::app::records_show(&cfg, &id).await.and_then(|r| {
+                        let view = idemproxy::admin::view::Detail::of(&r);
+                        out(format_args!("{}", serde_json::to_string_pretty(&view)?));
+                        Ok(())
                     })
                 }
             }
@@ -266,6 +250,14 @@ async fn run(cmd: Command) -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
+            // redb allows one process per file: the running proxy has it.
+            if format!("{e:#}").contains("already open") {
+                eprintln!(
+                    "hint: a running idemproxy holds this store; ask it through its admin API \
+                     (GET /v1/executions, POST /v1/executions/ID/resolve; docs/OPERATIONS.md), \
+                     or stop it first"
+                );
+            }
             // A missing or unusable admin token is a configuration error, like a bad file.
             if e.downcast_ref::<idemproxy::admin::TokenError>().is_some() {
                 ExitCode::from(2)
@@ -273,6 +265,47 @@ async fn run(cmd: Command) -> ExitCode {
                 ExitCode::from(1)
             }
         }
+    }
+}
+
+/// `records list`: one row per record, each column as wide as its widest value.
+fn print_records(records: &[idemproxy::store::Record]) {
+    let rows: Vec<[String; 5]> = records
+        .iter()
+        .map(|r| {
+            [
+                r.id.to_string(),
+                r.state().to_string(),
+                format!("{}/{}", r.upstream, r.route),
+                r.attempts.to_string(),
+                r.response
+                    .as_ref()
+                    .map(|s| s.status.to_string())
+                    .unwrap_or_else(|| "-".into()),
+            ]
+        })
+        .collect();
+    let header = ["EXECUTION_ID", "STATE", "UPSTREAM/ROUTE", "TRY", "STATUS"].map(String::from);
+    let mut width = header.clone().map(|h| h.len());
+    for row in &rows {
+        for (w, cell) in width.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    for row in std::iter::once(&header).chain(&rows) {
+        out(format_args!(
+            "{:<w0$}  {:<w1$}  {:<w2$}  {:>w3$}  {:>w4$}",
+            row[0],
+            row[1],
+            row[2],
+            row[3],
+            row[4],
+            w0 = width[0],
+            w1 = width[1],
+            w2 = width[2],
+            w3 = width[3],
+            w4 = width[4],
+        ));
     }
 }
 
@@ -284,10 +317,10 @@ fn read_result(path: &std::path::Path) -> anyhow::Result<idemproxy::store::Store
     spec.into_stored().map_err(anyhow::Error::msg)
 }
 
-fn init_logging(format: LogFormat) {
+fn init_logging(format: LogFormat, default: &str) {
     use tracing_subscriber::EnvFilter;
     let filter =
-        EnvFilter::try_from_env("IDEMPROXY_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+        EnvFilter::try_from_env("IDEMPROXY_LOG").unwrap_or_else(|_| EnvFilter::new(default));
     // Colours only for a person at a terminal: a log file or a pipe gets plain text.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)

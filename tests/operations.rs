@@ -134,6 +134,17 @@ async fn retention_gc_and_offline_commands() {
         "{}",
         String::from_utf8_lossy(&locked.stderr)
     );
+    assert!(
+        String::from_utf8_lossy(&locked.stderr).contains("admin API"),
+        "points to the admin API: {}",
+        String::from_utf8_lossy(&locked.stderr)
+    );
+    // The one-shot commands log warnings only: their output is not mixed with log lines.
+    assert!(
+        !String::from_utf8_lossy(&locked.stderr).contains(" INFO "),
+        "{}",
+        String::from_utf8_lossy(&locked.stderr)
+    );
     proxy.terminate();
     assert_eq!(records(&cfg).len(), 3);
     tokio::time::sleep(Duration::from_millis(1100)).await;

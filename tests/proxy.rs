@@ -494,6 +494,73 @@ async fn read_only_routes_pass_through_unrecorded_with_retries() {
     let rows = records(&dir.path().join("idemproxy.yaml"));
     assert_eq!(rows.len(), 1, "only the side effect is recorded: {rows:?}");
     assert!(rows[0].contains("mail/send_email"));
+    // `records show` decodes the stored answer as the admin API does.
+    let config = dir.path().join("idemproxy.yaml");
+    let id = rows[0].split_whitespace().next().expect("id column");
+    let out = cli(&[
+        "records",
+        "show",
+        id,
+        "--config",
+        config.to_str().expect("utf-8"),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rec: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(rec["execution_id"], id);
+    assert_eq!(rec["response"]["body_encoding"], "json", "{rec}");
+    assert!(rec["response"]["body"]["id"].is_string(), "{rec}");
+}
+
+/// `records list` columns line up whatever the lengths of their values.
+#[tokio::test(flavor = "multi_thread")]
+async fn records_list_columns_align() {
+    let (dir, ds, proxy) = setup().await;
+    let c = client();
+    for (path, key) in [
+        ("/mail/send", "k-a"),
+        ("/mail/echo/some-long-resource-name", "k-b"),
+        ("/mail/fail-after-commit/send", "k-c"),
+    ] {
+        post(
+            &c,
+            &proxy.url(path),
+            &[AUTH_A, ("idempotency-key", key)],
+            "{}",
+        )
+        .await;
+    }
+    assert!(ds.hits() >= 3);
+    proxy.terminate();
+    let config = dir.path().join("idemproxy.yaml");
+    let out = cli(&[
+        "records",
+        "list",
+        "--config",
+        config.to_str().expect("utf-8"),
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 4, "{text}");
+    let starts = |line: &str| -> Vec<usize> {
+        let b = line.as_bytes();
+        (0..b.len())
+            .filter(|&i| b[i] != b' ' && (i == 0 || b[i - 1] == b' '))
+            .collect()
+    };
+    // Left-aligned columns start where their header does.
+    let head = starts(lines[0]);
+    for line in &lines[1..] {
+        assert_eq!(starts(line)[..3], head[..3], "{text}");
+        assert_eq!(
+            line.len(),
+            lines[0].len(),
+            "right-aligned columns end together: {text}"
+        );
+    }
 }
 
 /// Read-only retries honour `429` and `Retry-After` (capped): the proxy waits as long as

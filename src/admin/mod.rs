@@ -14,7 +14,7 @@ mod api;
 pub mod auth;
 mod console;
 mod error;
-mod view;
+pub mod view;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
