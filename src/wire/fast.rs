@@ -105,6 +105,9 @@ pub trait Handler: Clone + Send + Sync + 'static {
 pub struct Shared<H> {
     pub handler: H,
     pub hyper: auto::Builder<TokioExecutor>,
+    /// hyper's HTTP/1 server alone, configured as `hyper`'s: for a connection handed over
+    /// after requests served here.
+    pub hyper_h1: hyper::server::conn::http1::Builder,
     pub max_head: usize,
     /// Serve plain requests here; `false` hands every connection to hyper at once.
     pub fast: bool,
@@ -137,18 +140,24 @@ pub async fn serve<H>(
         out: Vec::new(),
         spare: None,
         draining: false,
+        served: false,
     };
     if shared.fast {
         match conn.serve_plain(&peer, &shared, &mut shutdown).await {
             End::Close => return,
             End::HandOff => {}
         }
-    } else if !first_bytes(&mut conn.stream, &mut conn.buf, shared.head_timeout).await {
+    }
+    // A connection that served a request here is HTTP/1.1: hyper takes it up as such. One
+    // that did not may be HTTP/2, which hyper-util detects from the first 24 bytes; it
+    // waits for them without a deadline, so they are read here, within the head's.
+    let h1 = conn.served;
+    if !h1 && !first_bytes(&mut conn.stream, &mut conn.buf, shared.head_timeout).await {
         return;
     }
     let Conn { stream, buf, .. } = conn;
     (shared.on_hand_off)();
-    hand_off(stream, buf.freeze(), peer, &shared, shutdown).await;
+    hand_off(stream, buf.freeze(), peer, &shared, shutdown, h1).await;
 }
 
 /// Serve the rest of the connection with hyper, `prefix` (bytes already read) first.
@@ -158,6 +167,7 @@ async fn hand_off<H>(
     peer: ClientAddr,
     shared: &Shared<H>,
     mut shutdown: watch::Receiver<bool>,
+    h1: bool,
 ) where
     H: Handler,
 {
@@ -180,17 +190,30 @@ async fn hand_off<H>(
         }
     });
     let io = TokioIo::new(Rewound { prefix, stream });
-    let conn = shared.hyper.serve_connection_with_upgrades(io, svc);
-    tokio::pin!(conn);
-    let ended = tokio::select! {
-        ended = conn.as_mut() => ended,
-        _ = super::server::stopped(&mut shutdown) => {
-            conn.as_mut().graceful_shutdown();
-            conn.await
-        }
-    };
-    if let Err(e) = ended {
-        tracing::debug!(error = %e, "connection ended with error");
+    // Serve `conn` to its end, shut down gracefully when shutdown is asked for.
+    macro_rules! drive {
+        ($conn:expr) => {{
+            let conn = $conn;
+            tokio::pin!(conn);
+            let ended = tokio::select! {
+                ended = conn.as_mut() => ended.map_err(|e| e.to_string()),
+                _ = super::server::stopped(&mut shutdown) => {
+                    conn.as_mut().graceful_shutdown();
+                    conn.await.map_err(|e| e.to_string())
+                }
+            };
+            if let Err(e) = ended {
+                tracing::debug!(error = %e, "connection ended with error");
+            }
+        }};
+    }
+    if h1 {
+        // Not through hyper-util's `auto`: it reads for an HTTP/2 preface first even when
+        // HTTP/2 is off, and a pipelined head that begins like one (`PRI * HTTP/2.0`) left
+        // it waiting for the rest, where hyper answers 400 at once.
+        drive!(shared.hyper_h1.serve_connection(io, svc).with_upgrades());
+    } else {
+        drive!(shared.hyper.serve_connection_with_upgrades(io, svc));
     }
 }
 
@@ -266,6 +289,8 @@ struct Conn {
     spare: Option<HeaderMap>,
     /// Shutdown was asked for: the request being read or served is the last.
     draining: bool,
+    /// A request was answered here: the connection is HTTP/1.1.
+    served: bool,
 }
 
 /// A request head that the fast path takes, with its body's length.
@@ -430,6 +455,7 @@ impl Conn {
                     return End::Close;
                 }
             }
+            self.served = true;
             if self.out.capacity() > FLUSH_AT {
                 self.out = Vec::new();
             }
