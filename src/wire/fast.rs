@@ -684,10 +684,7 @@ fn put_back(buf: &mut BytesMut, head: Bytes) {
 /// A `Content-Length` value of plain digits (what hyper accepts from a single header,
 /// less comma lists); `None` for anything else or a number past `usize`.
 fn digits(v: &[u8]) -> Option<usize> {
-    if v.is_empty() || v.len() > 19 || !v.iter().all(u8::is_ascii_digit) {
-        return None;
-    }
-    std::str::from_utf8(v).ok()?.parse().ok()
+    super::framing::digits(v).and_then(|n| usize::try_from(n).ok())
 }
 
 /// How an answer's body goes on the wire.
