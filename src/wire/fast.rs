@@ -1237,4 +1237,113 @@ mod tests {
         io.read_to_end(&mut all).await.expect("read");
         assert_eq!(all, b"hello world");
     }
+
+    // -----------------------------------------------------------------------------------
+    // Property: what the writer frames parses back strictly, its length the body's.
+
+    /// The body of a generated answer: whole (known length), none, or a stream whose
+    /// length is not known.
+    #[derive(Debug, Clone, Copy)]
+    enum Generated {
+        Full(usize),
+        Empty,
+        Stream(usize),
+    }
+
+    fn generated(kind: Generated) -> ProxyBody {
+        match kind {
+            Generated::Full(n) => body::full(vec![b'x'; n]),
+            Generated::Empty => body::empty(),
+            Generated::Stream(n) => {
+                let frames: Vec<Result<http_body::Frame<Bytes>, body::BoxError>> =
+                    vec![Ok(http_body::Frame::data(Bytes::from(vec![b'y'; n])))];
+                http_body_util::StreamBody::new(futures_util::stream::iter(frames)).boxed()
+            }
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig {
+            cases: std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(256),
+            ..Default::default()
+        })]
+
+        #[test]
+        fn written_heads_parse_back_with_one_framing(
+            status in proptest::sample::select(vec![200u16, 201, 204, 304, 404, 500]),
+            is_head in proptest::bool::ANY,
+            length in proptest::sample::select(vec![None, Some("3"), Some("0"), Some("+5"), Some("7, 7")]),
+            coded in proptest::bool::ANY,
+            kind in proptest::sample::select(vec![
+                Generated::Full(0), Generated::Full(5), Generated::Full(300),
+                Generated::Empty, Generated::Stream(5),
+            ]),
+        ) {
+            let mut resp = Response::new(generated(kind));
+            *resp.status_mut() = StatusCode::from_u16(status).expect("status");
+            if let Some(v) = length {
+                resp.headers_mut().insert(header::CONTENT_LENGTH, v.parse().expect("value"));
+            }
+            if coded {
+                resp.headers_mut().insert(header::TRANSFER_ENCODING, "chunked".parse().expect("value"));
+            }
+            resp.headers_mut().insert("x-a", "1".parse().expect("value"));
+            let (parts, body) = resp.into_parts();
+            let mut out = Vec::new();
+            let mut close = false;
+            let fields = parts
+                .headers
+                .iter()
+                .map(|(n, v)| (special_name(n), n.as_str().as_bytes(), v.as_bytes()));
+            let framing = encode_head(&mut out, parts.status, fields, &body, is_head, &mut close)
+                .expect("not 1xx");
+            let mut slots = [httparse::EMPTY_HEADER; 16];
+            let mut parsed = httparse::Response::new(&mut slots);
+            let used = parsed.parse(&out).expect("parses");
+            proptest::prop_assert_eq!(used, httparse::Status::Complete(out.len()));
+            let values = |name: &str| -> Vec<String> {
+                parsed
+                    .headers
+                    .iter()
+                    .filter(|h| h.name.eq_ignore_ascii_case(name))
+                    .map(|h| String::from_utf8_lossy(h.value).into_owned())
+                    .collect()
+            };
+            let lengths = values("content-length");
+            let codings = values("transfer-encoding");
+            let text = String::from_utf8_lossy(&out).into_owned();
+            proptest::prop_assert!(lengths.len() <= 1, "{}", text);
+            proptest::prop_assert!(lengths.is_empty() || codings.is_empty(), "{}", text);
+            proptest::prop_assert_eq!(values("x-a"), vec!["1".to_string()]);
+            let bodiless = is_head || status == 204 || status == 304;
+            let known = match kind {
+                Generated::Full(n) => Some(n as u64),
+                Generated::Empty => Some(0),
+                Generated::Stream(_) => None,
+            };
+            match framing {
+                Framing::Empty => proptest::prop_assert!(
+                    bodiless || known == Some(0),
+                    "{}", text
+                ),
+                Framing::Length(n) => {
+                    proptest::prop_assert!(!bodiless, "{}", text);
+                    proptest::prop_assert_eq!(lengths.clone(), vec![n.to_string()], "{}", text);
+                    if let Some(k) = known {
+                        proptest::prop_assert_eq!(n, k, "{}", text);
+                    }
+                }
+                Framing::Chunked => {
+                    proptest::prop_assert!(!bodiless, "{}", text);
+                    proptest::prop_assert_eq!(codings.clone(), vec!["chunked".to_string()], "{}", text);
+                }
+            }
+            // A body with a known length is never framed by a header's stale value.
+            if let (Some(k), false) = (known, bodiless) {
+                if k > 0 {
+                    proptest::prop_assert_eq!(lengths, vec![k.to_string()], "{}", text);
+                }
+            }
+        }
+    }
 }
