@@ -152,8 +152,16 @@ pub async fn serve<H>(
     // that did not may be HTTP/2, which hyper-util detects from the first 24 bytes; it
     // waits for them without a deadline, so they are read here, within the head's.
     let h1 = conn.served;
-    if !h1 && !first_bytes(&mut conn.stream, &mut conn.buf, shared.head_timeout).await {
-        return;
+    if !h1 {
+        let first = first_bytes(&mut conn.stream, &mut conn.buf, shared.head_timeout);
+        let came = tokio::select! {
+            came = first => came,
+            // Shutdown closes a connection that has not sent a request yet.
+            _ = super::server::stopped(&mut shutdown) => false,
+        };
+        if !came {
+            return;
+        }
     }
     let Conn { stream, buf, .. } = conn;
     (shared.on_hand_off)();
