@@ -256,3 +256,14 @@ fn an_upstream_answer_body_that_stalls_is_cut_off() {
         }
     }
 }
+
+#[test]
+fn an_admin_request_body_that_stops_is_answered_408() {
+    let t = setup(&[]);
+    let admin = t.proxy.admin_addr.expect("admin listener");
+    assert_stalled_body_is_408(
+        admin,
+        "POST /v1/executions/ex_none/approve HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer t0ken\r\nContent-Type: application/json\r\nContent-Length: 10\r\n\r\n",
+        "admin",
+    );
+}

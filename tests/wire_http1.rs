@@ -1371,6 +1371,11 @@ fn answers_alike_in_both_modes() {
         (b"GET http://example.com/ro/echo/abs HTTP/1.1\r\nHost: example.com\r\n\r\n", 1, false),
         (b"OPTIONS * HTTP/1.1\r\nHost: t\r\n\r\n", 1, false),
         (b"GET /ro/echo/1 HTTP/1.1\r\nHost: t\r\n\r\nGARBAGE\r\n\r\n", 2, false),
+        // A second head that starts like the HTTP/2 preface: refused at once on both
+        // (the fast path's hand-off waited for the rest of a preface, with no deadline,
+        // before issue 33).
+        (b"GET /ro/echo/1 HTTP/1.1\r\nHost: t\r\n\r\nPRI * HTTP/2.0\r\n\r\n", 2, false),
+        (b"GET /ro/echo/1 HTTP/1.1\r\nHost: t\r\n\r\nPRI * HTTP/1.1\r\nHost: t\r\n\r\n", 2, false),
         (b"GET /ro/echo/hop HTTP/1.1\r\nHost: t\r\nConnection: X-Hop\r\nX-Hop: 1\r\nKeep-Alive: 5\r\nTE: trailers\r\n\r\n", 1, false),
         // A keyed side effect (the echo route, so the answer is what the downstream saw),
         // its replay, a keyed chunked one, and a keyed call to a route requiring a key.

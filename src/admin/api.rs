@@ -4,6 +4,7 @@
 
 use std::str::FromStr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
@@ -19,7 +20,7 @@ use crate::config::Scope;
 use crate::policy::identity::ExecutionId;
 use crate::policy::state::State;
 use crate::store::{ListFilter, Record};
-use crate::wire::body::{full, ProxyBody};
+use crate::wire::body::{full, ProxyBody, RequestBody};
 
 /// Largest JSON body an admin call accepts (a resolve result is the only big one).
 const MAX_BODY_BYTES: usize = 1024 * 1024;
@@ -194,7 +195,7 @@ async fn dispatch(
             None => Err(actions::ActionError::NotFound(id).into()),
         },
         Endpoint::Approve(id) => {
-            let body: ApproveBody = required(read_json(req).await?)?;
+            let body: ApproveBody = required(read_json(admin, req).await?)?;
             let by = by(token, body.by)?;
             let rt = admin.proxy.runtime();
             let ttl = |r: &Record| approval_ttl(&rt.config, r);
@@ -202,7 +203,7 @@ async fn dispatch(
             Ok(json(StatusCode::OK, &view::Detail::of(&r)))
         }
         Endpoint::Reject(id) => {
-            let body: RejectBody = read_json(req).await?.unwrap_or_default();
+            let body: RejectBody = read_json(admin, req).await?.unwrap_or_default();
             let by = by(token, body.by)?;
             let reason = body
                 .reason
@@ -212,7 +213,7 @@ async fn dispatch(
             Ok(json(StatusCode::OK, &view::Detail::of(&r)))
         }
         Endpoint::Resolve(id) => {
-            let body: ResolveBody = required(read_json(req).await?)?;
+            let body: ResolveBody = required(read_json(admin, req).await?)?;
             let by = by(token, body.by)?;
             let committed = match body.outcome {
                 Outcome::Committed => true,
@@ -235,7 +236,7 @@ async fn dispatch(
             Ok(json(StatusCode::OK, &view::Operation::of(&op, &status)))
         }
         Endpoint::Cancel(op) => {
-            let body: CancelBody = read_json(req).await?.unwrap_or_default();
+            let body: CancelBody = read_json(admin, req).await?.unwrap_or_default();
             let by = by(token, body.by)?;
             let retention = mark_retention(&admin.proxy.runtime().config);
             let report = actions::cancel(store, &op, &by, retention).await?;
@@ -367,8 +368,12 @@ fn operator_text(field: &str, s: String, max: usize) -> Result<String, AdminErro
 }
 
 /// Read a JSON body of type `T`; `None` when the body is empty.
-async fn read_json<T: DeserializeOwned>(req: Request<Incoming>) -> Result<Option<T>, AdminError> {
-    let bytes = read_body(req).await?;
+async fn read_json<T: DeserializeOwned>(
+    admin: &Admin,
+    req: Request<Incoming>,
+) -> Result<Option<T>, AdminError> {
+    let body_timeout = admin.proxy.runtime().config.timeouts.client_body;
+    let bytes = read_body(req, body_timeout).await?;
     if bytes.iter().all(u8::is_ascii_whitespace) {
         return Ok(None);
     }
@@ -381,12 +386,14 @@ fn required<T>(body: Option<T>) -> Result<T, AdminError> {
     body.ok_or_else(|| AdminError::BadRequest("this call needs a JSON body".into()))
 }
 
-async fn read_body(req: Request<Incoming>) -> Result<Bytes, AdminError> {
-    match Limited::new(req.into_body(), MAX_BODY_BYTES)
-        .collect()
-        .await
-    {
+/// The body, which may go `body_timeout` without a byte (`timeouts.client_body`).
+async fn read_body(req: Request<Incoming>, body_timeout: Duration) -> Result<Bytes, AdminError> {
+    let body = RequestBody::streamed(req.into_body(), body_timeout);
+    match Limited::new(body, MAX_BODY_BYTES).collect().await {
         Ok(c) => Ok(c.to_bytes()),
+        Err(e) if crate::wire::body::caused_by::<crate::wire::body::TimedOut>(&*e) => {
+            Err(AdminError::RequestTimeout)
+        }
         Err(e)
             if e.downcast_ref::<http_body_util::LengthLimitError>()
                 .is_some() =>

@@ -23,6 +23,8 @@ pub enum AdminError {
     BadRequest(String),
     #[error("the request body is larger than {0} bytes")]
     BodyTooLarge(usize),
+    #[error("the client sent no more of the request body within timeouts.client_body")]
+    RequestTimeout,
     #[error("no such endpoint: {0}")]
     NoEndpoint(String),
     #[error("{path} accepts {allow} only")]
@@ -50,6 +52,7 @@ impl AdminError {
             }
             AdminError::BadRequest(_) => Problem::new(Kind::BadRequest, detail),
             AdminError::BodyTooLarge(_) => Problem::new(Kind::BodyTooLarge, detail),
+            AdminError::RequestTimeout => Problem::new(Kind::RequestTimeout, detail),
             AdminError::NoEndpoint(_) => Problem::new(Kind::NotFound, detail),
             AdminError::MethodNotAllowed { allow, .. } => {
                 Problem::new(Kind::MethodNotAllowed, detail)
@@ -101,6 +104,7 @@ mod tests {
             ),
             (AdminError::BadRequest("x".into()), 400),
             (AdminError::BodyTooLarge(1), 413),
+            (AdminError::RequestTimeout, 408),
             (AdminError::NoEndpoint("/x".into()), 404),
             (
                 AdminError::MethodNotAllowed {

@@ -468,18 +468,20 @@ impl Conn {
             .ok_or_else(|| HeadError::Invalid(format!("unexpected status {code}")))?;
         let bytes = self.buf.split_to(len).freeze();
         let mut length: Option<u64> = None;
+        let mut bad_length: Option<&'static str> = None;
         let mut transfer_encoding: Option<bool> = None;
         let (mut close, mut keep) = (false, false);
         let mut fields = Fields::with_capacity(spans.len());
         for &(ns, ne, vs, ve) in &spans {
             let (name, value) = (&bytes[ns..ne], &bytes[vs..ve]);
             if is_content_length(name) {
-                let n = framing::content_length(value)
-                    .ok_or_else(|| HeadError::Invalid("bad content-length".into()))?;
-                if length.is_some_and(|l| l != n) {
-                    return Err(HeadError::Invalid("content-length values disagree".into()));
+                // Judged after the loop: a `Transfer-Encoding` makes the length moot (hyper
+                // does not read it then either).
+                match framing::content_length(value) {
+                    Some(n) if length.is_none_or(|l| l == n) => length = Some(n),
+                    Some(_) => bad_length = Some("content-length values disagree"),
+                    None => bad_length = Some("bad content-length"),
                 }
-                length = Some(n);
             } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
                 let last = value.rsplit(|b| *b == b',').next().unwrap_or(b"");
                 transfer_encoding = Some(last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
@@ -492,6 +494,19 @@ impl Conn {
             fields.push(Field::new(ns..ne, vs..ve));
         }
         let decided = framing::answer(*method == Method::HEAD, code, length, transfer_encoding);
+        // A length that would frame the body must be sound (with no body, or with a
+        // transfer coding, it frames nothing: hyper does not read it then either).
+        if decided.framing != Framing::Empty {
+            if let (Some(why), None) = (bad_length, transfer_encoding) {
+                return Err(HeadError::Invalid(why.into()));
+            }
+            // HTTP/1.0 has no transfer codings (RFC 9112 section 6.1; hyper refuses too).
+            if version == Version::HTTP_10 && transfer_encoding.is_some() {
+                return Err(HeadError::Invalid(
+                    "transfer-encoding in an HTTP/1.0 answer".into(),
+                ));
+            }
+        }
         if decided.drop_length {
             fields.retain(|f| !is_content_length(f.name(&bytes)));
         }
@@ -1249,5 +1264,207 @@ mod tests {
             !fits(&Request::new(stream.boxed())),
             "unknown length streams"
         );
+    }
+
+    // -----------------------------------------------------------------------------------
+    // Property: an answer is read by this client as hyper's client reads it.
+
+    /// A listener that answers one connection's request with `answer`, then closes.
+    fn answer_once(answer: Vec<u8>) -> u16 {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = l.local_addr().expect("addr").port();
+        std::thread::spawn(move || {
+            if let Ok((mut s, _)) = l.accept() {
+                if read_request(&mut s).is_some() {
+                    let _ = s.write_all(&answer);
+                }
+                let _ = s.shutdown(std::net::Shutdown::Write);
+                // Hold the socket until the client is done reading.
+                let mut rest = [0u8; 64];
+                while matches!(s.read(&mut rest), Ok(n) if n > 0) {}
+            }
+        });
+        port
+    }
+
+    /// What a client made of an answer: refused at the head, or the status and the
+    /// body's data (or that the body failed).
+    #[derive(Debug, PartialEq, Eq)]
+    enum Outcome {
+        Refused,
+        Answer(u16, Result<Vec<u8>, ()>),
+    }
+
+    async fn collect<B>(status: u16, body: B) -> Outcome
+    where
+        B: Body<Data = Bytes>,
+    {
+        let body = tokio::time::timeout(Duration::from_secs(5), body.collect())
+            .await
+            .expect("the body ends or fails");
+        Outcome::Answer(status, body.map(|c| c.to_bytes().to_vec()).map_err(|_| ()))
+    }
+
+    async fn by_this_client(answer: Vec<u8>) -> Outcome {
+        let port = answer_once(answer);
+        match pool().send(request(Method::GET, port, "")).await {
+            Ok(resp) => collect(resp.status().as_u16(), resp.into_body()).await,
+            Err(_) => Outcome::Refused,
+        }
+    }
+
+    async fn by_hyper(answer: Vec<u8>) -> Outcome {
+        let port = answer_once(answer);
+        let tcp = TcpStream::connect(("127.0.0.1", port))
+            .await
+            .expect("connect");
+        let (mut send, conn) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp))
+                .await
+                .expect("handshake");
+        tokio::spawn(conn);
+        let req = Request::builder()
+            .uri("/p")
+            .header(header::HOST, "t")
+            .body(http_body_util::Empty::<Bytes>::new())
+            .expect("request");
+        match send.send_request(req).await {
+            Ok(resp) => collect(resp.status().as_u16(), resp.into_body()).await,
+            Err(_) => Outcome::Refused,
+        }
+    }
+
+    /// How a generated answer states its body's length.
+    #[derive(Debug, Clone, Copy)]
+    enum Length {
+        None,
+        Exact,
+        Plus,
+        Padded,
+        ListEqual,
+        ListDiffer,
+        Short,
+        Long,
+    }
+
+    /// How a generated answer codes its body.
+    #[derive(Debug, Clone, Copy)]
+    enum Coding {
+        None,
+        Chunked,
+        GzipChunked,
+        Gzip,
+    }
+
+    /// What is broken in a generated chunked body.
+    #[derive(Debug, Clone, Copy)]
+    enum Flaw {
+        None,
+        EmptySizeLine,
+        NoCrlfAfterData,
+        BadDigit,
+        UpperHex,
+        Extension,
+        Trailer,
+        NoLastChunk,
+    }
+
+    fn answer_bytes(
+        minor: u8,
+        status: u16,
+        length: Length,
+        coding: Coding,
+        flaw: Flaw,
+        chunks: &[Vec<u8>],
+    ) -> Vec<u8> {
+        let data: Vec<u8> = chunks.concat();
+        let mut head = format!("HTTP/1.{minor} {status} X\r\n");
+        let n = data.len();
+        match length {
+            Length::None => {}
+            Length::Exact => head.push_str(&format!("content-length: {n}\r\n")),
+            Length::Plus => head.push_str(&format!("content-length: +{n}\r\n")),
+            Length::Padded => head.push_str(&format!("content-length:  {n} \r\n")),
+            Length::ListEqual => head.push_str(&format!("content-length: {n}, {n}\r\n")),
+            Length::ListDiffer => head.push_str(&format!("content-length: {n}, {}\r\n", n + 1)),
+            Length::Short => head.push_str(&format!("content-length: {}\r\n", n / 2)),
+            Length::Long => head.push_str(&format!("content-length: {}\r\n", n + 3)),
+        }
+        let chunked = match coding {
+            Coding::None => false,
+            Coding::Chunked => {
+                head.push_str("transfer-encoding: chunked\r\n");
+                true
+            }
+            Coding::GzipChunked => {
+                head.push_str("transfer-encoding: gzip, chunked\r\n");
+                true
+            }
+            Coding::Gzip => {
+                head.push_str("transfer-encoding: gzip\r\n");
+                false
+            }
+        };
+        let mut out = head.into_bytes();
+        out.extend_from_slice(b"\r\n");
+        if !chunked {
+            out.extend_from_slice(&data);
+            return out;
+        }
+        for (i, chunk) in chunks.iter().filter(|c| !c.is_empty()).enumerate() {
+            let first = i == 0;
+            let size = match flaw {
+                Flaw::EmptySizeLine if first => String::new(),
+                Flaw::BadDigit if first => format!("{:x}g", chunk.len()),
+                Flaw::UpperHex => format!("{:X}", chunk.len()),
+                Flaw::Extension => format!("{:x};a=b", chunk.len()),
+                _ => format!("{:x}", chunk.len()),
+            };
+            out.extend_from_slice(size.as_bytes());
+            out.extend_from_slice(b"\r\n");
+            out.extend_from_slice(chunk);
+            if !(first && matches!(flaw, Flaw::NoCrlfAfterData)) {
+                out.extend_from_slice(b"\r\n");
+            }
+        }
+        match flaw {
+            Flaw::NoLastChunk => {}
+            Flaw::Trailer => out.extend_from_slice(b"0\r\nx-t: 1\r\n\r\n"),
+            _ => out.extend_from_slice(b"0\r\n\r\n"),
+        }
+        out
+    }
+
+    proptest::proptest! {
+        // Bounded for CI: every case makes four connections. `PROPTEST_CASES` runs more.
+        #![proptest_config(proptest::prelude::ProptestConfig {
+            cases: std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(48),
+            ..Default::default()
+        })]
+
+        #[test]
+        fn answers_are_read_as_hyper_reads_them(
+            minor in 0u8..=1,
+            status in proptest::sample::select(vec![200u16, 201, 204, 304, 404]),
+            length in proptest::sample::select(vec![
+                Length::None, Length::Exact, Length::Plus, Length::Padded,
+                Length::ListEqual, Length::ListDiffer, Length::Short, Length::Long,
+            ]),
+            coding in proptest::sample::select(vec![
+                Coding::None, Coding::Chunked, Coding::GzipChunked, Coding::Gzip,
+            ]),
+            flaw in proptest::sample::select(vec![
+                Flaw::None, Flaw::EmptySizeLine, Flaw::NoCrlfAfterData, Flaw::BadDigit,
+                Flaw::UpperHex, Flaw::Extension, Flaw::Trailer, Flaw::NoLastChunk,
+            ]),
+            chunks in proptest::collection::vec(proptest::collection::vec(b'a'..=b'z', 0..40), 0..4),
+        ) {
+            let answer = answer_bytes(minor, status, length, coding, flaw, &chunks);
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+            let (ours, theirs) = rt.block_on(async {
+                (by_this_client(answer.clone()).await, by_hyper(answer.clone()).await)
+            });
+            proptest::prop_assert_eq!(ours, theirs, "{}", String::from_utf8_lossy(&answer));
+        }
     }
 }

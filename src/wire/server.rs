@@ -191,6 +191,20 @@ fn http_builder(max_header_bytes: usize, head_timeout: Duration) -> auto::Builde
     builder
 }
 
+/// [`http_builder`]'s HTTP/1 server on its own, for connections known to be HTTP/1.1.
+fn http1_builder(
+    max_header_bytes: usize,
+    head_timeout: Duration,
+) -> hyper::server::conn::http1::Builder {
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .keep_alive(true)
+        .header_read_timeout(head_timeout)
+        .max_buf_size(max_header_bytes.max(DEFAULT_MAX_HEADER_BYTES))
+        .timer(hyper_util::rt::TokioTimer::new());
+    builder
+}
+
 /// Serves one connection as a task on the current runtime, watched for graceful shutdown.
 fn spawn_connection<H, F>(
     builder: &auto::Builder<TokioExecutor>,
@@ -340,6 +354,7 @@ fn worker<H>(
         let shared = Arc::new(fast::Shared {
             handler,
             hyper: http_builder(options.max_header_bytes, options.head_timeout),
+            hyper_h1: http1_builder(options.max_header_bytes, options.head_timeout),
             max_head: options.max_header_bytes,
             fast: options.fast_path,
             on_hand_off,
