@@ -363,7 +363,7 @@ one_run() {
       local P="http://127.0.0.1:$PX_PORT"
       warm "$P" "/api/send" POST # (no key: a 400, just opens connections)
       # The p99 of one 10 s run at the same size moved from 1.1 to 4.3 ms on this machine
-      # (docs/PERFORMANCE.md, item 23): each size is measured SCALE_REPS times and the
+      # (docs/PERFORMANCE.md, "Method"): each size is measured SCALE_REPS times and the
       # report takes the medians.
       for REP in $(seq 1 "$SCALE_REPS"); do
         measure "$run" scale "replay-$n" "$CONNS" "$P" "/api/send" POST pool "$n" r
