@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A/B of two idemproxy builds on read-only pass-through and replays from memory, in
-# alternating 5 s wrk rounds on one machine (docs/PERFORMANCE.md, items 25 and 37). OLD is
+# alternating 5 s wrk rounds on one machine (docs/PERFORMANCE.md, "Method"). OLD is
 # another build's binary, e.g.
 #   git worktree add /tmp/old 454ce0e && (cd /tmp/old && CARGO_TARGET_DIR=/tmp/old-target cargo build --release --bin idemproxy)
 #   OLD_BIN=/tmp/old-target/release/idemproxy benches/ab_passthrough.sh

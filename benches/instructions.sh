@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # User-space instructions per request, counted by callgrind: the same figure from run to
 # run whatever else the machine is doing, so a change worth a few percent shows, where
-# wall-clock runs on this shared machine move by ±15% (docs/PERFORMANCE.md, items 18-21).
+# wall-clock runs on this shared machine move by ±15% (docs/PERFORMANCE.md, "Method").
 #
 #   benches/instructions.sh            # N=2000 requests per row
 #   N=500 benches/instructions.sh      # quicker
@@ -19,7 +19,7 @@
 # counted. Rows: idemproxy pass-through GET and POST and replays from memory; the bare
 # hyper proxy (GET and POST) and static answer (benches/hyper_floor.rs); on request
 # (ROWS="floor-raw floor-raw-post"), the bare hyper server with a hand-written upstream
-# client (docs/PERFORMANCE.md, item 24).
+# client (docs/PERFORMANCE.md, "Upstream clients").
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""Turns benches/run.sh results into the tables of docs/PERFORMANCE.md.
+"""Turns benches/run.sh results into the tables of docs/BENCH_RESULTS.md.
 
   report.py parse-wrk --run N --group G --name X --conns C --method M < wrk-output
       one JSON line from the BENCH_RESULT line benches/wrk/request.lua prints
-  report.py render --results FILE [--doc docs/PERFORMANCE.md --command CMD]
+  report.py render --results FILE [--doc docs/BENCH_RESULTS.md --command CMD]
       markdown tables and target ratios per run; with --doc, replaces the text between
       the bench markers in the doc (the rest of the doc is written by hand)
 """

@@ -4,7 +4,8 @@
 # (benches/hyper_floor.rs), and idemproxy (read-only pass-through, first executions,
 # replays), plus the one-commit-per-write baseline, peak
 # RSS with 1,000 connections, replay latency from 1k to 1M stored records, and file growth
-# under churn. Results go to docs/PERFORMANCE.md (between the bench markers).
+# under churn. Results go to docs/BENCH_RESULTS.md (between the bench markers;
+# docs/PERFORMANCE.md summarises them).
 #
 #   benches/run.sh                 # full benchmark, twice (RUNS=2), writes the doc
 #   RUNS=1 DURATION=5 benches/run.sh --no-doc      # quicker look, doc untouched
@@ -362,7 +363,7 @@ one_run() {
       local P="http://127.0.0.1:$PX_PORT"
       warm "$P" "/api/send" POST # (no key: a 400, just opens connections)
       # The p99 of one 10 s run at the same size moved from 1.1 to 4.3 ms on this machine
-      # (docs/PERFORMANCE.md, item 23): each size is measured SCALE_REPS times and the
+      # (docs/PERFORMANCE.md, "Method"): each size is measured SCALE_REPS times and the
       # report takes the medians.
       for REP in $(seq 1 "$SCALE_REPS"); do
         measure "$run" scale "replay-$n" "$CONNS" "$P" "/api/send" POST pool "$n" r
@@ -413,9 +414,9 @@ done
 cp "$RESULTS" "$ROOT/target/bench-results.jsonl"
 log "raw results: target/bench-results.jsonl"
 if [ "$WRITE_DOC" = 1 ]; then
-  python3 "$ROOT/benches/report.py" render --results "$RESULTS" --doc "$ROOT/docs/PERFORMANCE.md" \
+  python3 "$ROOT/benches/report.py" render --results "$RESULTS" --doc "$ROOT/docs/BENCH_RESULTS.md" \
       --command "benches/run.sh"
-  log "wrote docs/PERFORMANCE.md"
+  log "wrote docs/BENCH_RESULTS.md"
 else
   python3 "$ROOT/benches/report.py" render --results "$RESULTS"
 fi

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Where a proxy's slow requests spend their time (docs/PERFORMANCE.md, item 29). Runs one
+# Where a proxy's slow requests spend their time (docs/PERFORMANCE.md, "Method"). Runs one
 # wrk load against a proxy already listening on 127.0.0.1:PORT and, in its middle
 # seconds, traces every request with bpftrace on the kernel's socket tracepoints
 # (sock:sock_send_length, sock:sock_recv_length; no kprobes, no kernel headers). Each

@@ -12,7 +12,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 /// allocation was about a tenth of the pass-through profile (docs/PERFORMANCE.md).
 /// mimalloc's v2 line (the `v2` feature), not the crate's default v3: under v3 a replay
 /// spent 7.7% of the proxy's CPU in the allocator, most of it taking fresh pages and
-/// reading the clock, and 2.0% under v2 (docs/PERFORMANCE.md, item 28).
+/// reading the clock, and 2.0% under v2 (docs/PERFORMANCE.md, "Threads and build").
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

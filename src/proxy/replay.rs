@@ -19,7 +19,7 @@
 //! in. Its header names and values and its body are one buffer, with where each field
 //! lies: a replay the fast path read (plain HTTP/1.1) is a [`RawAnswer`] made of two
 //! reference counts and a copy of the spans ([`ReplayCache::replay_raw`]), with no
-//! `HeaderMap` and no `Response` (docs/PERFORMANCE.md, item 37). For every other replay
+//! `HeaderMap` and no `Response` (docs/PERFORMANCE.md, "Replay cache"). For every other replay
 //! (HTTP/2, bodies the fast path leaves to hyper) the entry holds a ready `HeaderMap`
 //! whose values are slices of the same buffer, cloned rather than rebuilt and rehashed
 //! (building it from the fields on each replay cost 13% more instructions per replay).

@@ -10,7 +10,7 @@
 //! [`Http1Pool`], this client's own connections over `hyper::client::conn`, for the rest.
 //! The pooled client's checkout, SipHashed pool keys, lazy connect future and per-response
 //! return task were about 11k of a pass-through's 43k instructions (docs/PERFORMANCE.md,
-//! item 21); hyper's connection task and dispatch another 9k (items 24 and 25).
+//! "Upstream clients"); hyper's connection task and dispatch another 9k.
 
 use std::path::Path;
 use std::pin::Pin;

@@ -3,7 +3,7 @@
 //!
 //! hyper's server was about a third of a replay's user time on the benchmark machine;
 //! served here, a replay costs 16% fewer instructions, a pass-through POST 14% and a GET
-//! 9% (docs/PERFORMANCE.md, items 33 and 35). The requests an agent's tool loop sends are
+//! 9% (docs/PERFORMANCE.md, "Listener fast path"). The requests an agent's tool loop sends are
 //! nearly all simple on the wire, so those are served here, and the rest keep hyper's
 //! full treatment:
 //!
@@ -336,7 +336,7 @@ impl Conn {
     {
         // One timer and one shutdown watch for the connection's life, polled by every
         // wait: setting a timer and a watch up for each request cost about 1,000
-        // instructions of a pass-through's 27,000 (docs/PERFORMANCE.md, item 35).
+        // instructions of a pass-through's 27,000 (docs/PERFORMANCE.md, "Listener fast path").
         let mut head_since = tokio::time::Instant::now();
         let head_timer = tokio::time::sleep_until(head_since + shared.head_timeout);
         tokio::pin!(head_timer);

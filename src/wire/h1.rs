@@ -2,7 +2,7 @@
 //!
 //! hyper's client connection runs as a task of its own: every request wakes it to write,
 //! and every response wakes the request back, and its dispatch machinery was about 9k of
-//! the 35k instructions a pass-through cost (docs/PERFORMANCE.md, items 24 and 25). Here a
+//! the 35k instructions a pass-through cost (docs/PERFORMANCE.md, "Upstream clients"). Here a
 //! request is one `write` of the head and body together, the response head is parsed with
 //! httparse (hyper's own parser) where it was read, and the response body is read and
 //! decoded as the server connection polls it, with no task and no channel in between.

@@ -8,7 +8,7 @@
 //! from them. Neither side becomes a `HeaderMap`: building, hashing, editing and dropping
 //! the four maps of a request and its answer, and the upstream URI, were about a quarter
 //! of a pass-through's instructions (24.8k per GET before, 18.8k after;
-//! docs/PERFORMANCE.md, item 36). Every other request becomes an
+//! docs/PERFORMANCE.md, "Read-only byte lane"). Every other request becomes an
 //! `http::Request` ([`RawRequest::into_request`]) and takes the usual way.
 
 use std::ops::Range;

@@ -12,7 +12,7 @@
 //! each worker is pinned to its CPU (`IDEMPROXY_PIN_WORKERS=0` turns this off):
 //! left to the scheduler, the workers of a busy two-core machine were off their CPUs for
 //! milliseconds at a time, and that was the pass-through's p99 (docs/PERFORMANCE.md,
-//! item 29).
+//! "Threads and build").
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -46,7 +46,7 @@ pub struct Options {
     /// closed. It is also the most a connection's read buffer grows to, and that is why the
     /// default is hyper's smallest: with any larger bound, the first bytes the HTTP/2
     /// detection reads ahead made every connection's 8 KiB buffer double to 16 KiB on its
-    /// first request, 8 MB per 1,000 connections (docs/PERFORMANCE.md, item 31).
+    /// first request, 8 MB per 1,000 connections (docs/PERFORMANCE.md, "Memory per connection").
     pub max_header_bytes: usize,
     /// Serve plain HTTP/1.1 requests on the fast path ([`super::fast`]); `false` hands
     /// every connection to hyper (`IDEMPROXY_FAST_PATH=0`).

@@ -6,8 +6,9 @@
 //! with a write to the runtime's eventfd, every time: a batch of 60 answers was 60 system
 //! calls on the writer thread (14% of its samples at 64 clients), and the first of them
 //! woke a worker pinned to the writer's CPU, which took the CPU from the writer while the
-//! rest of the batch waited (docs/PERFORMANCE.md, item 30). The writer is the serial stage
-//! of every first execution, so its time is the durable path's throughput.
+//! rest of the batch waited (docs/PERFORMANCE.md, "Store: group commit and the redb
+//! writer"). The writer is the serial stage of every first execution, so its time is the
+//! durable path's throughput.
 //!
 //! So a caller on a current-thread runtime gets a [`Home`]: its runtime's mailbox. The
 //! writer puts the batch's answers for that runtime into the mailbox at once and spawns

@@ -21,10 +21,11 @@ const RECORD_IDS: TableDefinition<&str, u64> = TableDefinition::new("record_ids"
 /// execution writes again (`committed`, then `result_delivered`) sit beside the other
 /// recent ones, in the few last leaves that each batch rewrites anyway. Keyed by id, as
 /// before, each of an execution's three writes copied a leaf of its own: 26 KiB written
-/// per execution against 11 KiB (docs/PERFORMANCE.md, item 32).
+/// per execution against 11 KiB (docs/PERFORMANCE.md, "Store: group commit and the redb writer").
 const RECORD_DATA: TableDefinition<u64, &[u8]> = TableDefinition::new("record_data");
-/// The layout before item 32: execution id → record. [`create_all`] moves what a file
-/// still holds there into the two tables above and deletes it.
+/// The layout before records were stored by place: execution id → record.
+/// [`create_all`] moves what a file still holds there into the two tables above and
+/// deletes it.
 const LEGACY_RECORDS: TableDefinition<&str, &[u8]> = TableDefinition::new("records");
 /// Empty, and never read: it takes the legacy table's name with other types, so an older
 /// idemproxy that opens a file in the current layout fails on a type mismatch instead of
@@ -109,7 +110,7 @@ struct IndexKeys<'a> {
 }
 
 /// Creates every table, so read transactions never meet a missing one, and moves the
-/// records of a file written before item 32 into the current layout, `chunk` records per
+/// records of a file in the layout by execution id into the current layout, `chunk` records per
 /// transaction. A crash part way leaves each record in exactly one of the two layouts,
 /// and the next open goes on where this one stopped.
 pub(super) fn create_all(db: &Database, chunk: usize) -> StoreResult<()> {
@@ -664,7 +665,7 @@ pub(super) fn table_sizes(db: &Database) -> [u64; 4] {
     .map(|n| n.expect("len reads"))
 }
 
-/// Rewrites the file as a store from before item 32 wrote it: every record in
+/// Rewrites the file as an older store (layout by execution id) would have written it:
 /// [`LEGACY_RECORDS`], keyed by id, and no [`RECORD_IDS`] or [`RECORD_DATA`].
 #[cfg(test)]
 pub(super) fn rewrite_in_legacy_layout(db: &Database) {
