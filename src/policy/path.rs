@@ -34,9 +34,23 @@ pub fn normalise(path: &str) -> Result<Cow<'_, str>, BadPath> {
     Ok(Cow::Owned(remove_dot_segments(&decoded)))
 }
 
-/// One pass over the bytes: no `%` but upper-case escapes of reserved characters, no `//`,
-/// and no `.` or `..` segment.
+/// Whether `p` is in normal form. Every request pays this, so the common case is one tight
+/// pass: a path with no `%`, no `//` and no `/.` is normal; only the others are looked at
+/// closely ([`is_normal_slow`]).
 fn is_normal(p: &[u8]) -> bool {
+    let mut prev = 0u8;
+    for &c in p {
+        if c == b'%' || (prev == b'/' && (c == b'/' || c == b'.')) {
+            return is_normal_slow(p);
+        }
+        prev = c;
+    }
+    true
+}
+
+/// No `%` but upper-case escapes of reserved characters, no `//`, and no `.` or `..`
+/// segment (a `.` that starts a name, as in `/.well-known`, is a name).
+fn is_normal_slow(p: &[u8]) -> bool {
     let mut i = 0;
     while i < p.len() {
         match p[i] {

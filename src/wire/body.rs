@@ -129,6 +129,7 @@ impl Stall {
 
     /// After an inner poll: `polled` went through unless it is pending past the deadline,
     /// which fails it with [`TimedOut`] (`what`).
+    #[inline]
     pub fn check<T>(
         &mut self,
         cx: &mut Context<'_>,
@@ -139,6 +140,18 @@ impl Stall {
             self.armed = false;
             return polled;
         }
+        self.pending(cx, what)
+    }
+
+    /// The inner poll was pending: arm the deadline if it is not, and fail once it passes.
+    /// Apart from [`Stall::check`] so the ready path, every frame of every body, stays a
+    /// flag store (no timer, no clock read).
+    #[cold]
+    fn pending<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        what: &'static str,
+    ) -> Poll<Option<Result<T, BoxError>>> {
         if !self.armed {
             let deadline = tokio::time::Instant::now() + self.limit;
             match self.timer.as_mut() {
