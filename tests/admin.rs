@@ -998,6 +998,22 @@ async fn scoped_tokens_do_only_what_they_may() {
             .await
         }
     };
+
+    let get = |path: String, token: &'static str| {
+        let c = c.clone();
+        let url = proxy.admin_url(&path);
+        let auth = as_(token);
+        async move {
+            send(
+                &c,
+                Method::GET,
+                &url,
+                &[("authorization", auth.as_str())],
+                "",
+            )
+            .await
+        }
+    };
     let body = json!({ "to": "acct_B", "amount": 10 });
     let (id, hash) = approval_of(
         &post(
@@ -1014,15 +1030,7 @@ async fn scoped_tokens_do_only_what_they_may() {
     );
 
     // The viewer reads, and can do nothing else.
-    let auth = as_(VIEW);
-    let seen = send(
-        &c,
-        Method::GET,
-        &proxy.admin_url(&format!("/v1/executions/{id}")),
-        &[("authorization", auth.as_str())],
-        "",
-    )
-    .await;
+    let seen = get(format!("/v1/executions/{id}"), VIEW).await;
     assert_eq!(seen.status, StatusCode::OK, "{seen:?}");
     for (path, what) in [
         (format!("/v1/executions/{id}/approve"), "approve"),
@@ -1048,26 +1056,10 @@ async fn scoped_tokens_do_only_what_they_may() {
     )
     .await;
     assert_eq!(r.status, StatusCode::FORBIDDEN, "{r:?}");
-    let auth = as_(STOP);
-    let r = send(
-        &c,
-        Method::GET,
-        &proxy.admin_url("/v1/executions"),
-        &[("authorization", auth.as_str())],
-        "",
-    )
-    .await;
+    let r = get("/v1/executions".into(), STOP).await;
     assert_eq!(r.status, StatusCode::FORBIDDEN, "{r:?}");
     // Nothing changed: still waiting, nothing sent.
-    let auth = as_(VIEW);
-    let after = send(
-        &c,
-        Method::GET,
-        &proxy.admin_url(&format!("/v1/executions/{id}")),
-        &[("authorization", auth.as_str())],
-        "",
-    )
-    .await;
+    let after = get(format!("/v1/executions/{id}"), VIEW).await;
     assert_eq!(seen.json()["state"], "awaiting_approval");
     assert_eq!(after.json()["state"], "awaiting_approval", "{after:?}");
     assert_eq!(after.json()["history"], seen.json()["history"]);
@@ -1085,15 +1077,7 @@ async fn scoped_tokens_do_only_what_they_may() {
     // The Stop button cancels the operation; the mark names its token.
     let stop = call("/v1/operations/op_scope/cancel".into(), STOP, json!({})).await;
     assert_eq!(stop.status, StatusCode::OK, "{stop:?}");
-    let auth = as_(APPROVER);
-    let op = send(
-        &c,
-        Method::GET,
-        &proxy.admin_url("/v1/operations/op_scope"),
-        &[("authorization", auth.as_str())],
-        "",
-    )
-    .await;
+    let op = get("/v1/operations/op_scope".into(), APPROVER).await;
     assert_eq!(op.json()["mark"]["by"], "stop", "{op:?}");
     // The single `token_env` token of other configs is gone here: unknown tokens are 401.
     let r = call(
