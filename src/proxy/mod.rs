@@ -4,6 +4,7 @@
 
 mod downstream;
 pub mod passthrough;
+mod pending;
 pub mod reconcile;
 pub mod recovery;
 pub mod replay;

@@ -12,7 +12,9 @@ pub mod redb;
 use async_trait::async_trait;
 
 pub use operation::{OperationMark, OperationState};
-pub use record::{Approval, HistoryEntry, Lease, NewRecord, Record, StoredResponse};
+pub use record::{
+    Approval, HistoryEntry, Lease, NewRecord, ReadAge, Record, SendAge, StoredResponse,
+};
 
 use crate::policy::identity::ExecutionId;
 use crate::policy::state::State;
