@@ -81,6 +81,22 @@ upstreams:
     )
 }
 
+/// Where the test database listens (host and port of `IDEMPROXY_TEST_POSTGRES_URL`).
+fn pg_addr(url: &str) -> SocketAddr {
+    let base: tokio_postgres::Config = url.parse().expect("test URL parses");
+    let port = base.get_ports().first().copied().unwrap_or(5432);
+    let host = match base.get_hosts().first() {
+        Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
+        _ => "127.0.0.1".to_string(),
+    };
+    let host = if host == "localhost" {
+        "127.0.0.1".to_string()
+    } else {
+        host
+    };
+    format!("{host}:{port}").parse().expect("host:port")
+}
+
 /// libfaketime's preload library (Debian's `libfaketime`, pulled in by `faketime`).
 fn libfaketime() -> String {
     for dir in [
@@ -214,12 +230,35 @@ async fn instances_with_skewed_clocks_never_send_a_call_twice() {
 }
 
 /// A TCP forwarder to PostgreSQL that can be cut (every connection through it closed, new
-/// ones refused) and restored, standing in for a database outage without touching the
-/// shared server.
+/// ones refused), frozen (connections stay open, no byte moves: a server stopped with
+/// SIGSTOP) and restored, standing in for a database outage without touching the shared
+/// server.
 struct Forwarder {
     addr: SocketAddr,
     up: Arc<AtomicBool>,
+    frozen: Arc<AtomicBool>,
     cut: watch::Sender<u64>,
+}
+
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    frozen: Arc<AtomicBool>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        while frozen.load(Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
 }
 
 impl Forwarder {
@@ -227,32 +266,57 @@ impl Forwarder {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
         let up = Arc::new(AtomicBool::new(true));
+        let frozen = Arc::new(AtomicBool::new(false));
         let (cut, _) = watch::channel(0u64);
-        let (accept_up, accept_cut) = (up.clone(), cut.clone());
+        let (accept_up, accept_frozen, accept_cut) = (up.clone(), frozen.clone(), cut.clone());
         tokio::spawn(async move {
-            while let Ok((mut inbound, _)) = listener.accept().await {
+            while let Ok((inbound, _)) = listener.accept().await {
                 if !accept_up.load(Ordering::SeqCst) {
                     drop(inbound);
                     continue;
                 }
                 let mut cut_rx = accept_cut.subscribe();
+                let frozen = accept_frozen.clone();
                 tokio::spawn(async move {
-                    let Ok(mut outbound) = TcpStream::connect(target).await else {
+                    let Ok(outbound) = TcpStream::connect(target).await else {
                         return;
                     };
+                    let (in_r, in_w) = inbound.into_split();
+                    let (out_r, out_w) = outbound.into_split();
                     tokio::select! {
-                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                        _ = pump(in_r, out_w, frozen.clone()) => {}
+                        _ = pump(out_r, in_w, frozen) => {}
                         _ = cut_rx.changed() => {}
                     }
                 });
             }
         });
-        Forwarder { addr, up, cut }
+        Forwarder {
+            addr,
+            up,
+            frozen,
+            cut,
+        }
+    }
+
+    /// The URL of the test database through this forwarder.
+    fn url(&self, direct: &str) -> String {
+        let base: tokio_postgres::Config = direct.parse().expect("test URL parses");
+        format!(
+            "postgres://{}@{}/{}",
+            base.get_user().unwrap_or("postgres"),
+            self.addr,
+            base.get_dbname().unwrap_or("test")
+        )
     }
 
     fn cut(&self) {
         self.up.store(false, Ordering::SeqCst);
         self.cut.send_modify(|g| *g += 1);
+    }
+
+    fn freeze(&self, on: bool) {
+        self.frozen.store(on, Ordering::SeqCst);
     }
 
     fn restore(&self) {
@@ -270,14 +334,8 @@ async fn an_outage_during_the_result_write_does_not_leave_the_call_stuck() {
     let schema = Schema::new("outage");
     let ds = FakeDownstream::start().await;
     ds.set_delay(Duration::from_millis(3000));
-    let fwd = Forwarder::start("127.0.0.1:5432".parse().expect("addr")).await;
-    let base: tokio_postgres::Config = schema.url.parse().expect("test URL parses");
-    let via = format!(
-        "postgres://{}@{}/{}",
-        base.get_user().unwrap_or("postgres"),
-        fwd.addr,
-        base.get_dbname().unwrap_or("test")
-    );
+    let fwd = Forwarder::start(pg_addr(&schema.url)).await;
+    let via = fwd.url(&schema.url);
     let cfg = yaml(&schema.name, "PG_VIA_FORWARDER", &ds.url(), "5s");
     let dir = tempfile::tempdir().expect("tempdir");
     let proxy = ProxyProc::start_with_env(dir.path(), &cfg, &[("PG_VIA_FORWARDER", &via)]);
@@ -311,4 +369,66 @@ async fn an_outage_during_the_result_write_does_not_leave_the_call_stuck() {
     assert_eq!(replay.header("idempotent-replayed"), Some("true"));
     assert!(took < Duration::from_secs(5), "took {took:?}");
     assert_eq!(ds.commits(), 1, "the call was not sent again");
+}
+
+/// A database that stops answering (frozen, as under SIGSTOP) for 12 s: a call that
+/// already holds a pooled connection hung for the whole freeze (issue 34, item 6). Every
+/// store call now has a deadline (5 s), so the call is refused with 503 (nothing sent)
+/// well before the freeze ends, `/readyz` says not ready, and after the freeze the
+/// proxy works again without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_frozen_database_fails_calls_by_the_deadline_not_the_freeze() {
+    let schema = Schema::new("freeze");
+    let ds = FakeDownstream::start().await;
+    let fwd = Forwarder::start(pg_addr(&schema.url)).await;
+    let via = fwd.url(&schema.url);
+    let cfg = format!(
+        "admin: {{ listen: 127.0.0.1:0, token_env: {ADMIN_TOKEN_ENV} }}\n{}",
+        yaml(&schema.name, "PG_VIA_FORWARDER", &ds.url(), "3s")
+    );
+    let dir = tempfile::tempdir().expect("tempdir");
+    let proxy = ProxyProc::start_with_env(
+        dir.path(),
+        &cfg,
+        &[("PG_VIA_FORWARDER", &via), (ADMIN_TOKEN_ENV, ADMIN_TOKEN)],
+    );
+    let c = client();
+    let url = proxy.url("/mail/send");
+    let warm = post(&c, &url, &[("idempotency-key", "k-warm")], "{}").await;
+    assert_eq!(warm.status, StatusCode::CREATED, "{warm:?}");
+
+    fwd.freeze(true);
+    let frozen_at = Instant::now();
+    // Bounded here so that a hang fails the test (before the fix: no answer for minutes).
+    let r = tokio::time::timeout(
+        Duration::from_secs(20),
+        post(&c, &url, &[("idempotency-key", "k-frozen")], "{}"),
+    )
+    .await
+    .unwrap_or_else(|_| panic!("no answer within 20 s of a 12 s freeze"));
+    let took = frozen_at.elapsed();
+    eprintln!(
+        "a call during the freeze was answered {} after {took:?}",
+        r.status
+    );
+    assert!(took < Duration::from_secs(8), "hung {took:?}: {r:?}");
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{r:?}");
+    let ready = send(&c, http::Method::GET, &proxy.admin_url("/readyz"), &[], "").await;
+    assert_eq!(ready.status, StatusCode::SERVICE_UNAVAILABLE, "{ready:?}");
+    assert_eq!(
+        ds.commits(),
+        1,
+        "nothing was sent while the store was frozen"
+    );
+
+    let left = Duration::from_secs(12).saturating_sub(frozen_at.elapsed());
+    tokio::time::sleep(left).await;
+    fwd.freeze(false);
+    let back = Instant::now();
+    let r = retry_until_result(&c, &url, "k-frozen", Duration::from_secs(15)).await;
+    eprintln!("working again {:?} after the freeze ended", back.elapsed());
+    assert_eq!(r.status, StatusCode::CREATED, "{r:?}");
+    assert_eq!(ds.commits(), 2);
+    let ready = send(&c, http::Method::GET, &proxy.admin_url("/readyz"), &[], "").await;
+    assert_eq!(ready.status, StatusCode::OK, "{ready:?}");
 }

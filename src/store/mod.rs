@@ -100,6 +100,11 @@ pub trait Store: Send + Sync + 'static {
 
     /// The mark of `operation_id`, if it was ever cancelled (and not yet swept).
     async fn operation(&self, operation_id: &str) -> StoreResult<Option<OperationMark>>;
+
+    /// Whether side-effect writes can succeed now (the admin `/readyz`): `Err` with the
+    /// reason while they fail (a failed or lost redb file, an unreachable database, a
+    /// write that failed and has not succeeded since). Cheap: a probe, not a write.
+    async fn ready(&self) -> Result<(), String>;
 }
 
 /// Milliseconds since the Unix epoch: records outlive processes, so they carry wall time.

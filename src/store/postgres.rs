@@ -79,6 +79,11 @@ const POOL_SIZE: usize = 16;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a request waits for a free connection before failing with `Backend`.
 const POOL_WAIT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Every store call's deadline, on the client (a frozen server cannot enforce its own
+/// `statement_timeout`) and on the server (a statement stuck on a lock).
+const STATEMENT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long `/readyz` waits for the database to answer `SELECT 1`.
+const READY_PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 /// Bounded retries of claim's insert-then-read when the row vanishes in between (gc).
 const CLAIM_ATTEMPTS: usize = 3;
 
@@ -111,6 +116,8 @@ const MARK_COLUMNS: &str = "id, state, cancelled_by, cancelled_at_ms, updated_at
 pub struct PostgresStore {
     pool: Pool,
     sql: Sql,
+    /// Why the last write failed, until a write succeeds again (readiness).
+    write_failure: std::sync::Mutex<Option<String>>,
 }
 
 /// Statement texts, qualified with the store's schema once at connect time.
@@ -256,10 +263,17 @@ impl PostgresStore {
         let mut config: tokio_postgres::Config = url
             .parse()
             .map_err(|e| db_error("parse the postgres URL", &e))?;
+        let ours = format!(
+            "-c synchronous_commit=on -c statement_timeout={}",
+            STATEMENT_TIMEOUT.as_millis()
+        );
         let options = match config.get_options() {
-            Some(o) if !o.is_empty() => format!("{o} -c synchronous_commit=on"),
-            _ => "-c synchronous_commit=on".to_string(),
+            Some(o) if !o.is_empty() => format!("{o} {ours}"),
+            _ => ours,
         };
+        // A dead peer (a host gone, a partition) is noticed on idle pooled connections too.
+        config.keepalives(true);
+        config.keepalives_idle(Duration::from_secs(10));
         config.options(options);
         if config.get_application_name().is_none() {
             config.application_name("idemproxy");
@@ -284,6 +298,7 @@ impl PostgresStore {
         let store = PostgresStore {
             pool,
             sql: Sql::new(schema),
+            write_failure: std::sync::Mutex::new(None),
         };
         let mut client = store.client("connect").await?;
         schema::migrate(&mut client, schema).await?;
@@ -329,9 +344,9 @@ impl PostgresStore {
     }
 }
 
-#[async_trait]
-impl Store for PostgresStore {
-    async fn claim(&self, mut record: Record) -> StoreResult<Claim> {
+/// The statements behind [`Store`]; the trait methods give each one its deadline.
+impl PostgresStore {
+    async fn claim_now(&self, mut record: Record) -> StoreResult<Claim> {
         record.version = 1;
         let cols = Columns::of(&record);
         let body = record.to_bytes();
@@ -376,11 +391,11 @@ impl Store for PostgresStore {
         )))
     }
 
-    async fn get(&self, id: &ExecutionId) -> StoreResult<Option<Record>> {
+    async fn get_now(&self, id: &ExecutionId) -> StoreResult<Option<Record>> {
         self.fetch(id).await
     }
 
-    async fn update(&self, mut record: Record) -> StoreResult<Record> {
+    async fn update_now(&self, mut record: Record) -> StoreResult<Record> {
         let expected = record.version;
         let next = expected
             .checked_add(1)
@@ -444,7 +459,7 @@ impl Store for PostgresStore {
         }
     }
 
-    async fn list(&self, filter: &ListFilter) -> StoreResult<Vec<Record>> {
+    async fn list_now(&self, filter: &ListFilter) -> StoreResult<Vec<Record>> {
         let sql = self.sql.list(filter);
         let status = filter.status.map(State::as_str);
         let after = filter.after.as_ref().map(|a| a.0.as_str());
@@ -463,7 +478,7 @@ impl Store for PostgresStore {
         self.query_records("list", &sql, &params).await
     }
 
-    async fn stale_executing(&self, now_ms: i64, limit: usize) -> StoreResult<Vec<Record>> {
+    async fn stale_executing_now(&self, now_ms: i64, limit: usize) -> StoreResult<Vec<Record>> {
         let limit = db_limit(limit);
         if now_ms == i64::MAX {
             self.query_records("stale_executing", &self.sql.stale_all, &[&limit])
@@ -477,7 +492,7 @@ impl Store for PostgresStore {
         }
     }
 
-    async fn renew_leases(&self, owner: &str, until_ms: i64) -> StoreResult<u64> {
+    async fn renew_leases_now(&self, owner: &str, until_ms: i64) -> StoreResult<u64> {
         let client = self.client("renew_leases").await?;
         let stmt = client
             .prepare_cached(&self.sql.renew)
@@ -490,7 +505,7 @@ impl Store for PostgresStore {
             .map_err(|e| db_error("renew_leases", &e))
     }
 
-    async fn gc(&self, now_ms: i64, limit: usize) -> StoreResult<u64> {
+    async fn gc_now(&self, now_ms: i64, limit: usize) -> StoreResult<u64> {
         let limit = db_limit(limit);
         let client = self.client("gc").await?;
         let mut removed = 0;
@@ -507,7 +522,7 @@ impl Store for PostgresStore {
         Ok(removed)
     }
 
-    async fn mark_operation(&self, mark: OperationMark) -> StoreResult<OperationMark> {
+    async fn mark_operation_now(&self, mark: OperationMark) -> StoreResult<OperationMark> {
         let client = self.client("mark_operation").await?;
         let stmt = client
             .prepare_cached(&self.sql.mark_operation)
@@ -530,7 +545,7 @@ impl Store for PostgresStore {
         decode_mark(&row)
     }
 
-    async fn operation(&self, operation_id: &str) -> StoreResult<Option<OperationMark>> {
+    async fn operation_now(&self, operation_id: &str) -> StoreResult<Option<OperationMark>> {
         let client = self.client("operation").await?;
         let stmt = client
             .prepare_cached(&self.sql.operation)
@@ -541,6 +556,102 @@ impl Store for PostgresStore {
             .await
             .map_err(|e| db_error("operation", &e))?;
         row.as_ref().map(decode_mark).transpose()
+    }
+}
+
+#[async_trait]
+impl Store for PostgresStore {
+    async fn claim(&self, record: Record) -> StoreResult<Claim> {
+        let result = deadline("claim", self.claim_now(record)).await;
+        self.note_write(result)
+    }
+
+    async fn get(&self, id: &ExecutionId) -> StoreResult<Option<Record>> {
+        deadline("get", self.get_now(id)).await
+    }
+
+    async fn update(&self, record: Record) -> StoreResult<Record> {
+        let result = deadline("update", self.update_now(record)).await;
+        self.note_write(result)
+    }
+
+    async fn list(&self, filter: &ListFilter) -> StoreResult<Vec<Record>> {
+        deadline("list", self.list_now(filter)).await
+    }
+
+    async fn stale_executing(&self, now_ms: i64, limit: usize) -> StoreResult<Vec<Record>> {
+        deadline("stale_executing", self.stale_executing_now(now_ms, limit)).await
+    }
+
+    async fn renew_leases(&self, owner: &str, until_ms: i64) -> StoreResult<u64> {
+        let result = deadline("renew_leases", self.renew_leases_now(owner, until_ms)).await;
+        self.note_write(result)
+    }
+
+    async fn gc(&self, now_ms: i64, limit: usize) -> StoreResult<u64> {
+        deadline("gc", self.gc_now(now_ms, limit)).await
+    }
+
+    async fn mark_operation(&self, mark: OperationMark) -> StoreResult<OperationMark> {
+        let result = deadline("mark_operation", self.mark_operation_now(mark)).await;
+        self.note_write(result)
+    }
+
+    async fn operation(&self, operation_id: &str) -> StoreResult<Option<OperationMark>> {
+        deadline("operation", self.operation_now(operation_id)).await
+    }
+
+    /// Not ready while the last write failed (until one succeeds: the lease keeper writes
+    /// every third of a lease) or while the database does not answer a probe in time.
+    async fn ready(&self) -> Result<(), String> {
+        if let Some(why) = self.write_failure.lock().map_err(|_| "poisoned")?.clone() {
+            return Err(format!("the last write failed: {why}"));
+        }
+        let probe = async {
+            let client = self.client("ready").await?;
+            client
+                .simple_query("SELECT 1")
+                .await
+                .map_err(|e| db_error("ready", &e))?;
+            Ok::<(), StoreError>(())
+        };
+        match tokio::time::timeout(READY_PROBE_TIMEOUT, probe).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err(format!(
+                "postgres ready: no answer within {READY_PROBE_TIMEOUT:?}"
+            )),
+        }
+    }
+}
+
+/// `op` with the store's deadline: a database that stops answering (frozen, a network
+/// partition that drops packets) turns into a prompt [`StoreError::Backend`] instead of a
+/// call that hangs as long as the fault lasts. A write cut off this way may still take
+/// effect; callers re-read rather than assume it did not (see [`Store`]).
+async fn deadline<T>(
+    op: &str,
+    call: impl std::future::Future<Output = StoreResult<T>>,
+) -> StoreResult<T> {
+    match tokio::time::timeout(STATEMENT_TIMEOUT, call).await {
+        Ok(result) => result,
+        Err(_) => Err(StoreError::Backend(format!(
+            "postgres {op}: no answer within {STATEMENT_TIMEOUT:?}"
+        ))),
+    }
+}
+
+impl PostgresStore {
+    /// Remembers whether the last write reached the database, for [`Store::ready`].
+    fn note_write<T>(&self, result: StoreResult<T>) -> StoreResult<T> {
+        let failure = match &result {
+            Err(StoreError::Backend(why)) => Some(why.clone()),
+            _ => None,
+        };
+        if let Ok(mut last) = self.write_failure.lock() {
+            *last = failure;
+        }
+        result
     }
 }
 

@@ -45,28 +45,98 @@ pub struct RedbStore {
 struct Shared {
     db: Database,
     path: PathBuf,
-    /// Set once, by the first failed batch. From then on every write is refused: after a
-    /// failed commit we no longer know what is on disk, and guessing could let a call run
-    /// twice (the same rule as redb's own `PreviousIo`).
-    failed: OnceLock<String>,
+    /// Whether writes may go on; shared with the file watcher.
+    health: Arc<Health>,
     commits: AtomicU64,
     writes: AtomicU64,
     #[cfg(test)]
     test: writer::TestHooks,
 }
 
-impl Shared {
+/// Whether the store may take writes, and the identity of the file it opened.
+struct Health {
+    path: PathBuf,
+    /// Device and inode of the file at `path` when it was opened: if the path stops
+    /// naming that file (deleted, or replaced by another file), every write we make goes
+    /// into a file nobody will ever open again, and after a restart the calls it records
+    /// would run again. `None` where the platform tells no inode.
+    file: Option<(u64, u64)>,
+    /// Set once, by the first failed batch or a lost file. From then on every write is
+    /// refused: after a failed commit we no longer know what is on disk, and guessing
+    /// could let a call run twice (the same rule as redb's own `PreviousIo`).
+    failed: OnceLock<String>,
+}
+
+impl Health {
     /// Makes the store sticky-failed and returns the reason for the batch's callers.
     fn fail(&self, reason: String) -> String {
-        tracing::error!(path = %self.path.display(), %reason, "redb store failed; refusing all further writes");
+        tracing::error!(path = %self.path.display(), %reason, "redb store failed; refusing all further writes (side effects are answered 503 until it is fixed and the proxy restarted)");
         let _ = self.failed.set(reason.clone());
-        reason
+        self.failed.get().cloned().unwrap_or(reason)
     }
 
     fn refusal(&self) -> Option<StoreError> {
         self.failed
             .get()
             .map(|reason| StoreError::Backend(format!("store failed earlier: {reason}")))
+    }
+
+    /// Checks that the path still names the file we hold (one `stat`): called by the
+    /// writer before every batch and by the watcher thread every [`WATCH_EVERY`].
+    fn check_file(&self) -> Result<(), String> {
+        if let Some(reason) = self.failed.get() {
+            return Err(reason.clone());
+        }
+        let Some(held) = self.file else {
+            return Ok(());
+        };
+        let lost = match std::fs::metadata(&self.path) {
+            Ok(m) if file_id(&m) == held => return Ok(()),
+            Ok(_) => "was replaced by another file".to_string(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => "was deleted".to_string(),
+            // Permission or I/O trouble on the directory: not proof the file is gone;
+            // the commit itself will tell.
+            Err(_) => return Ok(()),
+        };
+        Err(self.fail(format!(
+            "the store file {} {lost} while the proxy was running; records written now would \
+             be lost (restore the file, or start a new store deliberately, and restart)",
+            self.path.display()
+        )))
+    }
+}
+
+/// How often the watcher thread checks that the store file is still there.
+const WATCH_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
+fn file_id(m: &std::fs::Metadata) -> (u64, u64) {
+    use std::os::unix::fs::MetadataExt;
+    (m.dev(), m.ino())
+}
+
+/// Checks the file every [`WATCH_EVERY`], so a lost file is noticed (readiness, logs) even
+/// when nothing is written. Ends with the store (the last other holder of `health`).
+fn spawn_watcher(health: &Arc<Health>) {
+    let health = health.clone();
+    let _ = std::thread::Builder::new()
+        .name("idemproxy-redb-watch".into())
+        .spawn(move || {
+            while Arc::strong_count(&health) > 1 {
+                if health.check_file().is_err() {
+                    return;
+                }
+                std::thread::sleep(WATCH_EVERY);
+            }
+        });
+}
+
+impl Shared {
+    fn fail(&self, reason: String) -> String {
+        self.health.fail(reason)
+    }
+
+    fn refusal(&self) -> Option<StoreError> {
+        self.health.refusal()
     }
 }
 
@@ -102,10 +172,16 @@ impl RedbStore {
         tables::create_all(&db, tables::MIGRATE_CHUNK).map_err(|e| {
             StoreError::Backend(format!("cannot initialise {}: {e}", path.display()))
         })?;
+        let health = Arc::new(Health {
+            path: path.to_path_buf(),
+            file: std::fs::metadata(path).ok().map(|m| file_id(&m)),
+            failed: OnceLock::new(),
+        });
+        spawn_watcher(&health);
         let shared = Arc::new(Shared {
             db,
             path: path.to_path_buf(),
-            failed: OnceLock::new(),
+            health,
             commits: AtomicU64::new(0),
             writes: AtomicU64::new(0),
             #[cfg(test)]
@@ -295,5 +371,16 @@ impl Store for RedbStore {
     /// A point read on the caller's thread, like `get`.
     async fn operation(&self, operation_id: &str) -> StoreResult<Option<OperationMark>> {
         Snapshot::begin(&self.shared.db)?.operation(operation_id)
+    }
+
+    async fn ready(&self) -> Result<(), String> {
+        self.shared.health.check_file()?;
+        if self.writer.is_none() {
+            return Err("the redb writer is not running".into());
+        }
+        Snapshot::begin(&self.shared.db)
+            .and_then(|s| s.get("readyz-probe"))
+            .map(|_| ())
+            .map_err(|e| e.to_string())
     }
 }

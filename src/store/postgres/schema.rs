@@ -110,6 +110,11 @@ pub(super) async fn migrate(client: &mut Client, schema: &str) -> StoreResult<()
         .transaction()
         .await
         .map_err(|e| db_error("begin migration", &e))?;
+    // Another instance may hold the migration lock for longer than the store's statement
+    // timeout (a long migration): this transaction waits for it.
+    tx.batch_execute("SET LOCAL statement_timeout = 0")
+        .await
+        .map_err(|e| db_error("begin migration", &e))?;
     // Serialises concurrent starts; released by COMMIT/ROLLBACK. Keyed by schema so
     // unrelated schemas (e.g. parallel tests) do not wait on each other.
     tx.execute(

@@ -160,7 +160,9 @@ fn run(shared: &Shared, rx: &Receiver<Command>) {
 }
 
 fn commit_batch(shared: &Shared, batch: &mut Vec<Command>) {
-    if let Some(reason) = shared.failed.get() {
+    // One `stat` per batch: a store file deleted or replaced under us fails the store
+    // before this batch could go into a file nobody will open again.
+    if let Err(reason) = shared.health.check_file() {
         let reason = format!("store failed earlier: {reason}");
         batch.drain(..).for_each(|c| c.refuse(&reason));
         return;
