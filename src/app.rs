@@ -198,8 +198,24 @@ pub async fn start(cfg: Config, store: Arc<dyn Store>) -> anyhow::Result<Running
     })
 }
 
+/// How `serve` was asked to start.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ServeOptions {
+    /// `--init-store`: a new redb store may be created in place of an empty file (see
+    /// [`crate::store::redb::RedbStore::open_with_cache`]).
+    pub init_store: bool,
+}
+
 /// `idemproxy serve`: run until SIGTERM/SIGINT (drain) with SIGHUP reloading the config.
 pub async fn serve(cfg: Config) -> anyhow::Result<()> {
+    serve_with(cfg, ServeOptions::default()).await
+}
+
+/// [`serve`] with options.
+pub async fn serve_with(cfg: Config, options: ServeOptions) -> anyhow::Result<()> {
+    if let (true, StoreBackend::Redb { path, .. }) = (options.init_store, &cfg.store.backend) {
+        crate::store::redb::RedbStore::discard_empty(path)?;
+    }
     use tokio::signal::unix::{signal, SignalKind};
     let source = cfg.source.clone();
     // Handlers first: a SIGHUP or SIGTERM sent as soon as the "listening" line appears

@@ -111,3 +111,131 @@ async fn a_store_file_replaced_while_running_stops_side_effects() {
     let ready = get(&c, &proxy.admin_url("/readyz")).await;
     assert_eq!(ready.status, StatusCode::SERVICE_UNAVAILABLE, "{ready:?}");
 }
+
+/// Runs `idemproxy serve` with `extra` arguments until it exits or prints its listening
+/// line (then stops it). Returns the exit status if it exited, and its stderr.
+fn run_serve(
+    config: &std::path::Path,
+    extra: &[&str],
+) -> (Option<std::process::ExitStatus>, String) {
+    use std::io::{BufRead, BufReader, Read};
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(BIN)
+        .arg("serve")
+        .arg("--config")
+        .arg(config)
+        .args(extra)
+        .env(ADMIN_TOKEN_ENV, ADMIN_TOKEN)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn idemproxy");
+    let out = child.stdout.take().expect("stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            if line.starts_with("idemproxy listening on ") {
+                let _ = tx.send(());
+            }
+        }
+    });
+    let mut err = child.stderr.take().expect("stderr");
+    let stderr = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = err.read_to_string(&mut s);
+        s
+    });
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(st) = child.try_wait().expect("try_wait") {
+            break Some(st);
+        }
+        if rx.try_recv().is_ok() {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "serve neither started nor exited"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    (status, stderr.join().expect("stderr reader"))
+}
+
+/// A store file truncated to 0 bytes between runs started as a new, empty store without
+/// a word, and every retry of a recorded call ran again. Now `serve` refuses it (exit 1,
+/// naming the file and the way out); `serve --init-store` creates a store there on purpose.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_empty_store_file_is_refused_unless_init_store_is_given() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ds = FakeDownstream::start().await;
+    let config = dir.path().join("idemproxy.yaml");
+    std::fs::write(&config, admin_config(dir.path(), &ds.url())).expect("config");
+    let store = dir.path().join("store.redb");
+    std::fs::write(&store, b"").expect("empty store file");
+
+    let (status, stderr) = run_serve(&config, &[]);
+    assert_eq!(status.and_then(|s| s.code()), Some(1), "{stderr}");
+    assert!(stderr.contains(&store.display().to_string()), "{stderr}");
+    assert!(stderr.contains("is empty"), "{stderr}");
+    assert!(stderr.contains("--init-store"), "{stderr}");
+    assert_eq!(std::fs::metadata(&store).expect("still there").len(), 0);
+
+    let (status, stderr) = run_serve(&config, &["--init-store"]);
+    assert_eq!(status, None, "serve --init-store starts: {stderr}");
+    assert!(std::fs::metadata(&store).expect("store").len() > 0);
+    // Once created, the store opens without the flag.
+    let (status, stderr) = run_serve(&config, &[]);
+    assert_eq!(status, None, "{stderr}");
+}
+
+/// 64 random bytes written into the middle of a store file: redb panicked ("entered
+/// unreachable code") and `serve` died with a backtrace. Now the file's integrity is
+/// checked at open (redb verifies every page's checksum): `serve` exits 1 with an error
+/// naming the file, and never panics.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_corrupt_store_file_is_an_error_naming_it_not_a_panic() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ds = FakeDownstream::start().await;
+    let proxy = start(dir.path(), &ds).await;
+    let c = client();
+    for i in 0..200 {
+        let r = post(
+            &c,
+            &proxy.url("/mail/send"),
+            &[("idempotency-key", &format!("k-{i}"))],
+            &format!(r#"{{"n":{i},"pad":"{}"}}"#, "x".repeat(200)),
+        )
+        .await;
+        assert_eq!(r.status, StatusCode::CREATED, "{r:?}");
+    }
+    let config = proxy.config_path.clone();
+    assert!(proxy.terminate().success());
+    let store = dir.path().join("store.redb");
+    let len = std::fs::metadata(&store).expect("store").len();
+    let mut bytes = std::fs::read(&store).expect("read store");
+    // Deterministic "random" bytes (xorshift), so a failure reproduces.
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+    let middle = (len / 2) as usize;
+    for b in &mut bytes[middle..middle + 64] {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *b = x as u8;
+    }
+    std::fs::write(&store, &bytes).expect("corrupt the store");
+
+    let (status, stderr) = run_serve(&config, &[]);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    match status {
+        Some(st) => {
+            assert_eq!(st.code(), Some(1), "{stderr}");
+            assert!(stderr.contains(&store.display().to_string()), "{stderr}");
+            eprintln!("refused: {}", stderr.lines().last().unwrap_or(""));
+        }
+        None => panic!("a store with 64 corrupt bytes in its middle was opened: {stderr}"),
+    }
+    assert_eq!(ds.commits(), 200);
+}

@@ -475,7 +475,27 @@ impl PostgresStore {
             params.push(a);
         }
         params.push(&limit);
-        self.query_records("list", &sql, &params).await
+        let client = self.client("list").await?;
+        let stmt = client
+            .prepare_cached(&sql)
+            .await
+            .map_err(|e| db_error("list", &e))?;
+        let rows = client
+            .query(&stmt, &params)
+            .await
+            .map_err(|e| db_error("list", &e))?;
+        // One unreadable row is left out with a warning, not the whole page.
+        let mut out = Vec::with_capacity(rows.len());
+        for row in &rows {
+            match decode_row(row) {
+                Ok(r) => out.push(r),
+                Err(StoreError::Corrupt { id, reason }) => {
+                    tracing::warn!(execution_id = %id, %reason, "listing skips an unreadable record");
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(out)
     }
 
     async fn stale_executing_now(&self, now_ms: i64, limit: usize) -> StoreResult<Vec<Record>> {
@@ -1436,6 +1456,21 @@ mod tests {
                 Err(StoreError::Corrupt { id, .. }) => assert_eq!(id, "ex_bad"),
                 other => panic!("expected Corrupt, got {other:?}"),
             }
+            // A listing leaves the unreadable row out instead of failing whole.
+            s.claim(record("ex_good", "op", NOW + 100))
+                .await
+                .expect("claim");
+            let listed = s
+                .list(&ListFilter {
+                    limit: 10,
+                    ..ListFilter::default()
+                })
+                .await
+                .expect("list");
+            assert_eq!(
+                listed.iter().map(|r| r.id.0.as_str()).collect::<Vec<_>>(),
+                ["ex_good"]
+            );
         })
         .await;
     }

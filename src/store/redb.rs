@@ -148,30 +148,48 @@ impl RedbStore {
     }
 
     /// [`RedbStore::open`] with a page cache of `cache_bytes`.
+    ///
+    /// A missing file is created (a first run). An existing empty file is refused: a store
+    /// that existed (then truncated by a bad copy, a full disk, a restore gone wrong) must
+    /// never silently become a new, empty store, because every call it recorded would run
+    /// again; [`RedbStore::discard_empty`] (`serve --init-store`) makes the choice
+    /// explicit. The integrity of the whole file is checked at every open, and a file
+    /// redb cannot read (a panic inside redb included) is an error naming the file.
     pub fn open_with_cache(path: &Path, cache_bytes: usize) -> StoreResult<RedbStore> {
+        if std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.len() == 0) {
+            return Err(StoreError::Backend(format!(
+                "the store file {} is empty (0 bytes); refusing to start on it, since a store \
+                 that existed must never silently start over (every call it recorded would run \
+                 again): restore the file from a backup, or, to create a new store there, start \
+                 once with `idemproxy serve --init-store`",
+                path.display()
+            )));
+        }
         if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
             std::fs::create_dir_all(parent).map_err(|e| {
                 StoreError::Backend(format!("cannot create directory {}: {e}", parent.display()))
             })?;
         }
-        // redb's own page cache defaults to 1 GiB and fills with every page a replay
-        // touches: resident memory then grows with the store (100 MiB at 10k records).
-        // The kernel's page cache holds the file anyway; redb keeps the hot upper B-tree
-        // levels in this much, and a miss is one pread from the page cache.
-        let db = Database::builder()
-            .set_cache_size(cache_bytes)
-            .create(path)
-            .map_err(|e| match e {
-                DatabaseError::DatabaseAlreadyOpen => StoreError::Backend(format!(
-                    "{} is already open in another process (redb locks the file); \
-                 stop that process or use a different store path",
+        // redb may panic on a file altered outside it (it promises an error only with the
+        // integrity check on); either way the caller gets an error naming the file.
+        let opened = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            Self::open_database(path, cache_bytes)
+        }));
+        let db = match opened {
+            Ok(db) => db?,
+            Err(panic) => {
+                let what = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "no message".into());
+                return Err(StoreError::Backend(format!(
+                    "cannot open {}: the file is corrupt (redb failed reading it: {what}); \
+                     restore it from a backup",
                     path.display()
-                )),
-                e => StoreError::Backend(format!("cannot open {}: {e}", path.display())),
-            })?;
-        tables::create_all(&db, tables::MIGRATE_CHUNK).map_err(|e| {
-            StoreError::Backend(format!("cannot initialise {}: {e}", path.display()))
-        })?;
+                )));
+            }
+        };
         let health = Arc::new(Health {
             path: path.to_path_buf(),
             file: std::fs::metadata(path).ok().map(|m| file_id(&m)),
@@ -192,6 +210,48 @@ impl RedbStore {
             shared,
             writer: Some(writer),
         })
+    }
+
+    fn open_database(path: &Path, cache_bytes: usize) -> StoreResult<Database> {
+        // redb's own page cache defaults to 1 GiB and fills with every page a replay
+        // touches: resident memory then grows with the store (100 MiB at 10k records).
+        // The kernel's page cache holds the file anyway; redb keeps the hot upper B-tree
+        // levels in this much, and a miss is one pread from the page cache.
+        let db = Database::builder()
+            .set_cache_size(cache_bytes)
+            // Reads the whole file once per start (about a second per GiB here): a file
+            // altered outside redb is then refused instead of trusted.
+            .set_check_integrity_on_open(true)
+            .create(path)
+            .map_err(|e| match e {
+                DatabaseError::DatabaseAlreadyOpen => StoreError::Backend(format!(
+                    "{} is already open in another process (redb locks the file); \
+                 stop that process or use a different store path",
+                    path.display()
+                )),
+                e => StoreError::Backend(format!("cannot open {}: {e}", path.display())),
+            })?;
+        tables::create_all(&db, tables::MIGRATE_CHUNK).map_err(|e| {
+            StoreError::Backend(format!("cannot initialise {}: {e}", path.display()))
+        })?;
+        Ok(db)
+    }
+
+    /// `serve --init-store`: the operator says a new store may be created at `path`. An
+    /// existing empty file is removed so that the open creates a store there (a missing
+    /// file is created anyway); a file with content is left alone and opened as usual.
+    /// Returns whether an empty file was removed.
+    pub fn discard_empty(path: &Path) -> StoreResult<bool> {
+        match std::fs::metadata(path) {
+            Ok(m) if m.is_file() && m.len() == 0 => {
+                std::fs::remove_file(path).map_err(|e| {
+                    StoreError::Backend(format!("cannot remove the empty {}: {e}", path.display()))
+                })?;
+                tracing::warn!(path = %path.display(), "--init-store: creating a new store in place of an empty file");
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
     }
 
     pub fn path(&self) -> &Path {

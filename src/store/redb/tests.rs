@@ -871,3 +871,46 @@ async fn operation_marks_merge_forward_survive_reopen_and_expire() {
     assert_eq!(store.gc(100, 10).await.expect("gc"), 1);
     assert_eq!(store.operation("op_a").await.expect("read"), None);
 }
+
+/// One record whose bytes cannot be decoded is left out of a listing (with a warning
+/// naming it) instead of failing the whole page (issue 34: the admin listing was a 500).
+#[tokio::test]
+async fn a_listing_skips_an_unreadable_record() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("store.redb");
+    let store = RedbStore::open(&path).expect("opens");
+    claimed(&store, record("ex_a", None, 100)).await;
+    claimed(&store, record("ex_b", None, 100)).await;
+    drop(store);
+    {
+        let db = ::redb::Database::open(&path).expect("opens raw");
+        type Ids = ::redb::TableDefinition<'static, &'static str, u64>;
+        type Data = ::redb::TableDefinition<'static, u64, &'static [u8]>;
+        let txn = db.begin_write().expect("begins");
+        {
+            use ::redb::ReadableTable;
+            let ids = txn.open_table(Ids::new("record_ids")).expect("ids");
+            let place = ids.get("ex_a").expect("reads").expect("present").value();
+            let mut data = txn.open_table(Data::new("record_data")).expect("data");
+            data.insert(place, b"not json".as_slice())
+                .expect("overwrites");
+        }
+        txn.commit().expect("commits");
+    }
+    let store = RedbStore::open(&path).expect("opens again");
+    assert!(matches!(
+        store.get(&id("ex_a")).await,
+        Err(StoreError::Corrupt { .. })
+    ));
+    let listed = store
+        .list(&ListFilter {
+            limit: 10,
+            ..ListFilter::default()
+        })
+        .await
+        .expect("the listing still works");
+    assert_eq!(
+        listed.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(),
+        ["ex_b"]
+    );
+}
