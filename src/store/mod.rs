@@ -51,8 +51,9 @@ pub enum StoreError {
     },
     #[error("no execution record {0}")]
     NotFound(ExecutionId),
-    /// A storage failure. For redb this is sticky: after one, the store refuses all
-    /// further writes so a half-applied state can never lead to a double execution.
+    /// A storage failure. For redb, writes stay refused after one until the file can be
+    /// written again and is reopened (what is on disk is then read afresh), or for good
+    /// when the file was lost, so a half-applied state can never lead to a double execution.
     #[error("store failure: {0}")]
     Backend(String),
     #[error("stored record {id} is unreadable: {reason}")]

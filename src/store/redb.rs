@@ -43,7 +43,13 @@ pub struct RedbStore {
 
 /// What the writer thread and the read path share.
 struct Shared {
-    db: Database,
+    /// The open database. Replaced after a failed commit (redb latches an I/O error for the
+    /// life of a `Database`, so only a fresh open can write again); `None` only while that
+    /// reopen is under way or failed.
+    db: parking_lot::RwLock<Option<Arc<Database>>>,
+    cache_bytes: usize,
+    /// When the writer last tried to reopen after a failed commit.
+    last_reopen: parking_lot::Mutex<Option<std::time::Instant>>,
     path: PathBuf,
     /// Whether writes may go on; shared with the file watcher.
     health: Arc<Health>,
@@ -61,10 +67,14 @@ struct Health {
     /// into a file nobody will ever open again, and after a restart the calls it records
     /// would run again. `None` where the platform tells no inode.
     file: Option<(u64, u64)>,
-    /// Set once, by the first failed batch or a lost file. From then on every write is
-    /// refused: after a failed commit we no longer know what is on disk, and guessing
-    /// could let a call run twice (the same rule as redb's own `PreviousIo`).
+    /// Set once, when the file is lost (deleted or replaced). From then on every write is
+    /// refused until a restart: records written into a file nobody will open again would
+    /// be forgotten, and every call they record would run again.
     failed: OnceLock<String>,
+    /// Why the last commit failed (disk full, read-only file system, an I/O error), until
+    /// a reopen succeeds. Nothing of a failed batch is durable and redb re-reads the truth
+    /// from disk when it opens, so writes may resume once the condition clears.
+    commit_failed: parking_lot::Mutex<Option<String>>,
 }
 
 impl Health {
@@ -79,6 +89,17 @@ impl Health {
         self.failed
             .get()
             .map(|reason| StoreError::Backend(format!("store failed earlier: {reason}")))
+    }
+
+    /// Remembers a failed commit: writes are refused until the writer reopens the store.
+    fn commit_failed(&self, reason: String) -> String {
+        tracing::error!(path = %self.path.display(), %reason, "redb commit failed; side effects are refused (503) until the store can be written again, which is retried as writes come in");
+        *self.commit_failed.lock() = Some(reason.clone());
+        reason
+    }
+
+    fn pending_failure(&self) -> Option<String> {
+        self.commit_failed.lock().clone()
     }
 
     /// Checks that the path still names the file we hold (one `stat`): called by the
@@ -106,6 +127,11 @@ impl Health {
     }
 }
 
+/// How often the writer may try to reopen the store after a failed commit.
+const REOPEN_EVERY: std::time::Duration = std::time::Duration::from_millis(500);
+/// Size of the probe written before a reopen: room for a commit's pages, roughly.
+const PROBE_BYTES: usize = 256 << 10;
+
 /// How often the watcher thread checks that the store file is still there.
 const WATCH_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
@@ -131,8 +157,81 @@ fn spawn_watcher(health: &Arc<Health>) {
 }
 
 impl Shared {
-    fn fail(&self, reason: String) -> String {
-        self.health.fail(reason)
+    /// The current database handle (a clone of the `Arc`: a reopen never pulls a file out
+    /// from under a read in progress).
+    fn db(&self) -> StoreResult<Arc<Database>> {
+        self.db.read().clone().ok_or_else(|| {
+            StoreError::Backend(format!(
+                "the store {} is being reopened after a failed commit",
+                self.path.display()
+            ))
+        })
+    }
+
+    /// After a failed commit: if the file can be written again (a probe file of
+    /// [`PROBE_BYTES`] written and synced beside it), close the database and open it
+    /// afresh, which recovers from disk exactly what was committed. At most every
+    /// [`REOPEN_EVERY`]; returns whether the store is writable now.
+    fn try_reopen(&self) -> bool {
+        let Some(reason) = self.health.pending_failure() else {
+            return true;
+        };
+        {
+            let mut last = self.last_reopen.lock();
+            if last.is_some_and(|t| t.elapsed() < REOPEN_EVERY) {
+                return false;
+            }
+            *last = Some(std::time::Instant::now());
+        }
+        if let Err(e) = self.probe_write() {
+            tracing::debug!(path = %self.path.display(), error = %e, "store still not writable");
+            return false;
+        }
+        let mut slot = self.db.write();
+        // Reads hold the handle for a moment: wait for them (new ones wait on the lock).
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+        while slot.as_ref().is_some_and(|db| Arc::strong_count(db) > 1) {
+            if std::time::Instant::now() > deadline {
+                tracing::warn!("store reopen postponed: a read still holds the database");
+                return false;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        if let Some(old) = slot.take().and_then(Arc::into_inner) {
+            let _ = old.close();
+        }
+        match RedbStore::open_database(&self.path, self.cache_bytes, false) {
+            Ok(db) => {
+                *slot = Some(Arc::new(db));
+                *self.health.commit_failed.lock() = None;
+                tracing::warn!(path = %self.path.display(), earlier = %reason, "redb store reopened after a failed commit; writes resume");
+                true
+            }
+            Err(e) => {
+                tracing::error!(path = %self.path.display(), error = %e, "redb store could not be reopened; retrying as writes come in");
+                false
+            }
+        }
+    }
+
+    /// Writes and syncs a small file beside the store: proof that the disk takes writes
+    /// again (space freed, file system writable) before the store is reopened.
+    fn probe_write(&self) -> std::io::Result<()> {
+        use std::io::Write;
+        #[cfg(test)]
+        if self.test.probe_fails.load(Ordering::SeqCst) {
+            return Err(std::io::Error::other("injected by a test"));
+        }
+        let mut name = self.path.as_os_str().to_owned();
+        name.push(".probe");
+        let probe = PathBuf::from(name);
+        let result = (|| {
+            let mut f = std::fs::File::create(&probe)?;
+            f.write_all(&[0u8; PROBE_BYTES])?;
+            f.sync_all()
+        })();
+        let _ = std::fs::remove_file(&probe);
+        result
     }
 
     fn refusal(&self) -> Option<StoreError> {
@@ -173,7 +272,7 @@ impl RedbStore {
         // redb may panic on a file altered outside it (it promises an error only with the
         // integrity check on); either way the caller gets an error naming the file.
         let opened = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            Self::open_database(path, cache_bytes)
+            Self::open_database(path, cache_bytes, true)
         }));
         let db = match opened {
             Ok(db) => db?,
@@ -194,10 +293,13 @@ impl RedbStore {
             path: path.to_path_buf(),
             file: std::fs::metadata(path).ok().map(|m| file_id(&m)),
             failed: OnceLock::new(),
+            commit_failed: parking_lot::Mutex::new(None),
         });
         spawn_watcher(&health);
         let shared = Arc::new(Shared {
-            db,
+            db: parking_lot::RwLock::new(Some(Arc::new(db))),
+            cache_bytes,
+            last_reopen: parking_lot::Mutex::new(None),
             path: path.to_path_buf(),
             health,
             commits: AtomicU64::new(0),
@@ -212,7 +314,7 @@ impl RedbStore {
         })
     }
 
-    fn open_database(path: &Path, cache_bytes: usize) -> StoreResult<Database> {
+    fn open_database(path: &Path, cache_bytes: usize, check: bool) -> StoreResult<Database> {
         // redb's own page cache defaults to 1 GiB and fills with every page a replay
         // touches: resident memory then grows with the store (100 MiB at 10k records).
         // The kernel's page cache holds the file anyway; redb keeps the hot upper B-tree
@@ -221,7 +323,7 @@ impl RedbStore {
             .set_cache_size(cache_bytes)
             // Reads the whole file once per start (about a second per GiB here): a file
             // altered outside redb is then refused instead of trusted.
-            .set_check_integrity_on_open(true)
+            .set_check_integrity_on_open(check)
             .create(path)
             .map_err(|e| match e {
                 DatabaseError::DatabaseAlreadyOpen => StoreError::Backend(format!(
@@ -269,7 +371,7 @@ impl RedbStore {
     /// (kept by redb) times the mean size of a sample, plus the three index entries each.
     /// Used to decide whether compaction is worth its time (it reads the whole file).
     pub fn estimated_live_bytes(&self) -> StoreResult<u64> {
-        let (count, mean) = Snapshot::begin(&self.shared.db)?.size_sample(64)?;
+        let (count, mean) = Snapshot::begin(&*self.shared.db()?)?.size_sample(64)?;
         // An index entry is the execution id plus an 8-byte key part; counted for three
         // indexes, though delivered records have no status entry (a slight over-estimate).
         let id = 28;
@@ -287,16 +389,24 @@ impl RedbStore {
         if let Some(e) = self.shared.refusal() {
             return Err(e);
         }
+        if let Some(reason) = self.shared.health.pending_failure() {
+            return Err(StoreError::Backend(format!("store write failed: {reason}")));
+        }
         if let Some(writer) = self.writer.take() {
             writer.stop();
         }
-        let result = match Arc::get_mut(&mut self.shared) {
-            Some(shared) => match shared.db.compact() {
+        let result = match Arc::get_mut(&mut self.shared)
+            .and_then(|shared| shared.db.get_mut().as_mut())
+            .and_then(Arc::get_mut)
+        {
+            Some(db) => match db.compact() {
                 Ok(done) => Ok(done),
                 // A storage error part way through a compaction leaves the file in a state
                 // we did not commit to: fail closed, as for a failed commit.
                 Err(CompactionError::Storage(e)) => Err(StoreError::Backend(
-                    shared.fail(format!("compaction failed: {e}")),
+                    self.shared
+                        .health
+                        .commit_failed(format!("compaction failed: {e}")),
                 )),
                 Err(e) => Err(StoreError::Backend(format!("cannot compact now: {e}"))),
             },
@@ -337,7 +447,7 @@ impl RedbStore {
         read: impl FnOnce(&Snapshot) -> StoreResult<T> + Send + 'static,
     ) -> StoreResult<T> {
         let shared = self.shared.clone();
-        tokio::task::spawn_blocking(move || read(&Snapshot::begin(&shared.db)?))
+        tokio::task::spawn_blocking(move || read(&Snapshot::begin(&*shared.db()?)?))
             .await
             .map_err(|e| StoreError::Backend(format!("store read task failed: {e}")))?
     }
@@ -373,7 +483,7 @@ impl Store for RedbStore {
     /// blocking pool costs, and redb's read transactions never wait for the writer (its
     /// fsync happens outside the lock readers take).
     async fn get(&self, id: &ExecutionId) -> StoreResult<Option<Record>> {
-        Snapshot::begin(&self.shared.db)?.get(id.as_str())
+        Snapshot::begin(&*self.shared.db()?)?.get(id.as_str())
     }
 
     /// Encoded on the caller's thread too. A compare-and-set that succeeds always writes
@@ -430,16 +540,20 @@ impl Store for RedbStore {
 
     /// A point read on the caller's thread, like `get`.
     async fn operation(&self, operation_id: &str) -> StoreResult<Option<OperationMark>> {
-        Snapshot::begin(&self.shared.db)?.operation(operation_id)
+        Snapshot::begin(&*self.shared.db()?)?.operation(operation_id)
     }
 
     async fn ready(&self) -> Result<(), String> {
         self.shared.health.check_file()?;
+        if let Some(reason) = self.shared.health.pending_failure() {
+            return Err(format!("the last commit failed: {reason}"));
+        }
         if self.writer.is_none() {
             return Err("the redb writer is not running".into());
         }
-        Snapshot::begin(&self.shared.db)
-            .and_then(|s| s.get("readyz-probe"))
+        self.shared
+            .db()
+            .and_then(|db| Snapshot::begin(&db)?.get("readyz-probe"))
             .map(|_| ())
             .map_err(|e| e.to_string())
     }
