@@ -44,7 +44,7 @@ pub struct AdminConfig {
     pub token_env: String,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StoreBackend {
     Redb {
         path: PathBuf,
