@@ -205,6 +205,21 @@ async fn instances_with_skewed_clocks_never_send_a_call_twice() {
     for t in retries {
         retried.push(t.await);
     }
+    let lost = retried
+        .iter()
+        .enumerate()
+        .filter(|(i, r)| {
+            !r.as_ref()
+                .is_ok_and(|r| r.body == first_answers[i / 2].body)
+        })
+        .count();
+    report_fault(
+        "PostgreSQL: instance clocks ±90 s off the database's",
+        ds.commits().saturating_sub(keys),
+        lost,
+        None,
+        "6 slow calls on 3 instances, each retried on the other two",
+    );
     // The side effects first: that is what a skewed clock must never double.
     assert_eq!(
         ds.commits(),
@@ -365,6 +380,13 @@ async fn an_outage_during_the_result_write_does_not_leave_the_call_stuck() {
     let replay = retry_until_result(&c, &url, "k-outage", Duration::from_secs(10)).await;
     let took = back.elapsed();
     eprintln!("retry answered {took:?} after the database came back");
+    report_fault(
+        "PostgreSQL: connections cut during the result write, back 1.5 s later",
+        ds.commits().saturating_sub(1),
+        usize::from(replay.header("idempotent-replayed") != Some("true")),
+        Some(took),
+        "the client got 502; a retry replays the kept answer",
+    );
     assert_eq!(replay.status, StatusCode::CREATED, "{replay:?}");
     assert_eq!(replay.header("idempotent-replayed"), Some("true"));
     assert!(took < Duration::from_secs(5), "took {took:?}");
@@ -427,6 +449,16 @@ async fn a_frozen_database_fails_calls_by_the_deadline_not_the_freeze() {
     let back = Instant::now();
     let r = retry_until_result(&c, &url, "k-frozen", Duration::from_secs(15)).await;
     eprintln!("working again {:?} after the freeze ended", back.elapsed());
+    report_fault(
+        "PostgreSQL: server frozen 12 s (no byte moves)",
+        ds.commits().saturating_sub(2),
+        0,
+        Some(back.elapsed()),
+        &format!(
+            "a call during the freeze got 503 after {} ms",
+            took.as_millis()
+        ),
+    );
     assert_eq!(r.status, StatusCode::CREATED, "{r:?}");
     assert_eq!(ds.commits(), 2);
     let ready = send(&c, http::Method::GET, &proxy.admin_url("/readyz"), &[], "").await;

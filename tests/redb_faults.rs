@@ -43,6 +43,7 @@ async fn a_store_file_deleted_while_running_stops_side_effects() {
     assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
 
     std::fs::remove_file(dir.path().join("store.redb")).expect("delete the store file");
+    let deleted = Instant::now();
     // The watcher notices within a second even with no traffic.
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
@@ -83,6 +84,16 @@ async fn a_store_file_deleted_while_running_stops_side_effects() {
             "{r:?}"
         );
     }
+    report_fault(
+        "redb: store file deleted while running",
+        ds.commits().saturating_sub(1),
+        0,
+        None,
+        &format!(
+            "/readyz not ready {} ms after (a stat per probe and per write batch, a watcher every 1 s); side effects 503 until restart",
+            deleted.elapsed().as_millis()
+        ),
+    );
     assert_eq!(ds.commits(), 1, "nothing was sent after the file was lost");
 }
 
@@ -177,6 +188,17 @@ async fn an_empty_store_file_is_refused_unless_init_store_is_given() {
     std::fs::write(&store, b"").expect("empty store file");
 
     let (status, stderr) = run_serve(&config, &[]);
+    report_fault(
+        "redb: store file truncated to 0 bytes between runs",
+        0,
+        0,
+        None,
+        if status.and_then(|s| s.code()) == Some(1) {
+            "serve refuses (exit 1); --init-store creates a store on purpose"
+        } else {
+            "serve STARTED on the empty file"
+        },
+    );
     assert_eq!(status.and_then(|s| s.code()), Some(1), "{stderr}");
     assert!(stderr.contains(&store.display().to_string()), "{stderr}");
     assert!(stderr.contains("is empty"), "{stderr}");
@@ -228,6 +250,17 @@ async fn a_corrupt_store_file_is_an_error_naming_it_not_a_panic() {
     std::fs::write(&store, &bytes).expect("corrupt the store");
 
     let (status, stderr) = run_serve(&config, &[]);
+    report_fault(
+        "redb: 64 random bytes in the middle of the file",
+        0,
+        0,
+        None,
+        match (status.and_then(|s| s.code()), stderr.contains("panicked")) {
+            (_, true) => "PANICKED",
+            (Some(1), false) => "serve refuses (exit 1) naming the file",
+            _ => "serve STARTED on the corrupt file",
+        },
+    );
     assert!(!stderr.contains("panicked"), "{stderr}");
     match status {
         Some(st) => {
@@ -339,6 +372,13 @@ async fn a_full_disk_refuses_side_effects_and_recovers_once_space_is_freed() {
     eprintln!(
         "disk full after {refused} calls; writes resumed {:?} after space was freed",
         freed.elapsed()
+    );
+    report_fault(
+        "redb: disk full (8 MiB tmpfs), then space freed",
+        ds.commits().saturating_sub(commits_while_full + 1),
+        0,
+        Some(freed.elapsed()),
+        "side effects 503 while full; writes resume without a restart",
     );
     assert_eq!(again.status, StatusCode::CREATED);
     assert_eq!(ds.commits(), commits_while_full + 1);
