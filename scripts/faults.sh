@@ -38,11 +38,13 @@ table="$(awk -F'\t' -v trials="$TRIALS" '
   $1 == "FAULT" {
     f = $2
     if (!(f in n)) { order[++k] = f }
-    n[f]++; dup[f] += $3; lost[f] += $4; note[f] = $6
+    n[f]++; dup[f] += $3; lost[f] += $4
+    if (!((f, $6) in nc)) { nn[f]++; nt[f, nn[f]] = $6 }
+    nc[f, $6]++
     if ($5 != "-") { ms = $5 + 0; cnt[f]++; vals[f, cnt[f]] = ms; if (ms > max[f]) max[f] = ms }
   }
   END {
-    print "| fault | trials | duplicates | lost results | time to recover (median / max) | what happens (last trial) |"
+    print "| fault | trials | duplicates | lost results | time to recover (median / max) | what happened |"
     print "|---|---:|---:|---:|---|---|"
     for (i = 1; i <= k; i++) {
       f = order[i]; rec = "n/a"
@@ -53,7 +55,13 @@ table="$(awk -F'\t' -v trials="$TRIALS" '
         med = vals[f, int((m + 1) / 2)]
         rec = sprintf("%d ms / %d ms", med, max[f])
       }
-      printf "| %s | %d | %d | %d | %s | %s |\n", f, n[f], dup[f], lost[f], rec, note[f]
+      # What happened, each distinct outcome with how many trials saw it (the first
+      # three; outcomes quoting times differ every trial).
+      note = ""
+      for (j = 1; j <= nn[f] && j <= 3; j++)
+        note = note (j > 1 ? "; " : "") nt[f, j] (nn[f] > 1 ? sprintf(" (×%d)", nc[f, nt[f, j]]) : "")
+      if (nn[f] > 3) note = note "; …"
+      printf "| %s | %d | %d | %d | %s | %s |\n", f, n[f], dup[f], lost[f], rec, note
     }
     printf "\nFailed test runs: %d.\n", failed + 0
   }' "$out")"

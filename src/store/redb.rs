@@ -168,6 +168,18 @@ impl Shared {
         })
     }
 
+    /// `read` on the current database, under the read lock (one uncontended atomic; no
+    /// reference count moves): the point reads on the request path use this.
+    fn with_db<T>(&self, read: impl FnOnce(&Database) -> StoreResult<T>) -> StoreResult<T> {
+        match self.db.read().as_deref() {
+            Some(db) => read(db),
+            None => Err(StoreError::Backend(format!(
+                "the store {} is being reopened after a failed commit",
+                self.path.display()
+            ))),
+        }
+    }
+
     /// After a failed commit: if the file can be written again (a probe file of
     /// [`PROBE_BYTES`] written and synced beside it), close the database and open it
     /// afresh, which recovers from disk exactly what was committed. At most every
@@ -483,7 +495,8 @@ impl Store for RedbStore {
     /// blocking pool costs, and redb's read transactions never wait for the writer (its
     /// fsync happens outside the lock readers take).
     async fn get(&self, id: &ExecutionId) -> StoreResult<Option<Record>> {
-        Snapshot::begin(&*self.shared.db()?)?.get(id.as_str())
+        self.shared
+            .with_db(|db| Snapshot::begin(db)?.get(id.as_str()))
     }
 
     /// Encoded on the caller's thread too. A compare-and-set that succeeds always writes
@@ -540,7 +553,8 @@ impl Store for RedbStore {
 
     /// A point read on the caller's thread, like `get`.
     async fn operation(&self, operation_id: &str) -> StoreResult<Option<OperationMark>> {
-        Snapshot::begin(&*self.shared.db()?)?.operation(operation_id)
+        self.shared
+            .with_db(|db| Snapshot::begin(db)?.operation(operation_id))
     }
 
     async fn ready(&self) -> Result<(), String> {
