@@ -39,8 +39,17 @@ table="$(awk -F'\t' -v trials="$TRIALS" '
     f = $2
     if (!(f in n)) { order[++k] = f }
     n[f]++; dup[f] += $3; lost[f] += $4
-    if (!((f, $6) in nc)) { nn[f]++; nt[f, nn[f]] = $6 }
-    nc[f, $6]++
+    # Outcomes are told apart without their timings ("N ms"), which become ranges.
+    tpl = $6; gsub(/[0-9]+ ms/, "# ms", tpl)
+    if (!((f, tpl) in nc)) { nn[f]++; nt[f, nn[f]] = tpl }
+    nc[f, tpl]++
+    rest = $6; p = 0
+    while (match(rest, /[0-9]+ ms/)) {
+      p++; v = substr(rest, RSTART, RLENGTH - 3) + 0; key = f SUBSEP tpl SUBSEP p
+      if (!(key in lo) || v < lo[key]) lo[key] = v
+      if (!(key in hi) || v > hi[key]) hi[key] = v
+      rest = substr(rest, RSTART + RLENGTH)
+    }
     if ($5 != "-") { ms = $5 + 0; cnt[f]++; vals[f, cnt[f]] = ms; if (ms > max[f]) max[f] = ms }
   }
   END {
@@ -58,8 +67,16 @@ table="$(awk -F'\t' -v trials="$TRIALS" '
       # What happened, each distinct outcome with how many trials saw it (the first
       # three; outcomes quoting times differ every trial).
       note = ""
-      for (j = 1; j <= nn[f] && j <= 3; j++)
-        note = note (j > 1 ? "; " : "") nt[f, j] (nn[f] > 1 ? sprintf(" (×%d)", nc[f, nt[f, j]]) : "")
+      for (j = 1; j <= nn[f] && j <= 3; j++) {
+        t = nt[f, j]; filled = ""; p = 0
+        while (match(t, /# ms/)) {
+          p++; key = f SUBSEP nt[f, j] SUBSEP p
+          r = (lo[key] == hi[key]) ? lo[key] : lo[key] "–" hi[key]
+          filled = filled substr(t, 1, RSTART - 1) r " ms"; t = substr(t, RSTART + RLENGTH)
+        }
+        filled = filled t
+        note = note (j > 1 ? "; " : "") filled (nn[f] > 1 ? sprintf(" (×%d)", nc[f, nt[f, j]]) : "")
+      }
       if (nn[f] > 3) note = note "; …"
       printf "| %s | %d | %d | %d | %s | %s |\n", f, n[f], dup[f], lost[f], rec, note
     }
