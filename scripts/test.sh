@@ -14,6 +14,14 @@ if ! command -v chromium >/dev/null 2>&1; then
   $SUDO apt-get update -qq
   $SUDO apt-get install -y -qq --no-install-recommends chromium
 fi
+if ! command -v faketime >/dev/null 2>&1; then
+  # tests/pg_faults.rs runs proxy instances with skewed wall clocks under libfaketime.
+  echo "[test] installing Debian's faketime for the clock-skew test" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends faketime
+fi
 if [ ! -d tests/browser/node_modules ]; then
   (cd tests/browser && npm ci --no-audit --no-fund --silent)
 fi

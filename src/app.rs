@@ -201,8 +201,24 @@ pub async fn start(cfg: Config, store: Arc<dyn Store>) -> anyhow::Result<Running
     })
 }
 
+/// How `serve` was asked to start.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ServeOptions {
+    /// `--init-store`: a new redb store may be created in place of an empty file (see
+    /// [`crate::store::redb::RedbStore::open_with_cache`]).
+    pub init_store: bool,
+}
+
 /// `idemproxy serve`: run until SIGTERM/SIGINT (drain) with SIGHUP reloading the config.
 pub async fn serve(cfg: Config) -> anyhow::Result<()> {
+    serve_with(cfg, ServeOptions::default()).await
+}
+
+/// [`serve`] with options.
+pub async fn serve_with(cfg: Config, options: ServeOptions) -> anyhow::Result<()> {
+    if let (true, StoreBackend::Redb { path, .. }) = (options.init_store, &cfg.store.backend) {
+        crate::store::redb::RedbStore::discard_empty(path)?;
+    }
     use tokio::signal::unix::{signal, SignalKind};
     let source = cfg.source.clone();
     // Handlers first: a SIGHUP or SIGTERM sent as soon as the "listening" line appears
@@ -211,6 +227,12 @@ pub async fn serve(cfg: Config) -> anyhow::Result<()> {
     let mut int = signal(SignalKind::interrupt())?;
     let mut hup = signal(SignalKind::hangup())?;
     let store = open_store_for_serving(&cfg).await?;
+    // What a reload cannot change: the listener as configured at start and as bound, and
+    // the store that is open.
+    let started = Started {
+        listen: cfg.listen,
+        store: cfg.store.backend.clone(),
+    };
     let running = start(cfg, store).await?;
     // The admin line comes first: a reader that waits for the proxy line has both.
     if let Some(admin) = running.admin_addr {
@@ -221,7 +243,7 @@ pub async fn serve(cfg: Config) -> anyhow::Result<()> {
         tokio::select! {
             _ = term.recv() => break,
             _ = int.recv() => break,
-            _ = hup.recv() => reload(&running.proxy, &source),
+            _ = hup.recv() => reload(&running.proxy, &source, &started, running.addr),
         }
     }
     tracing::info!("shutting down: draining in-flight requests");
@@ -229,16 +251,40 @@ pub async fn serve(cfg: Config) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// What `serve` started with that only a restart changes.
+struct Started {
+    listen: std::net::SocketAddr,
+    store: StoreBackend,
+}
+
+/// The store a config names, for a log line (never a URL: only the variable's name).
+fn describe_store(b: &StoreBackend) -> String {
+    match b {
+        StoreBackend::Redb { path, .. } => format!("redb {}", path.display()),
+        StoreBackend::Postgres { url_env, schema } => {
+            format!("postgres (url_env {url_env}, schema {schema})")
+        }
+    }
+}
+
 /// SIGHUP: routes, limits and identity change live; listen address, store and
-/// `limits.max_header_bytes` need a restart.
-fn reload(proxy: &Proxy, source: &std::path::Path) {
+/// `limits.max_header_bytes` need a restart. Compared with what was started, not with
+/// the last reload: a change refused once is refused (and named) again.
+fn reload(proxy: &Proxy, source: &std::path::Path, started: &Started, bound: std::net::SocketAddr) {
     match Config::load(source) {
         Ok(cfg) => {
             let old = proxy.runtime();
-            if cfg.listen != old.config.listen {
+            if cfg.listen != started.listen {
                 tracing::warn!(
-                    "listen address changes need a restart; keeping {}",
-                    old.config.listen
+                    requested = %cfg.listen,
+                    "listen address changes need a restart; still listening on {bound}"
+                );
+            }
+            if cfg.store.backend != started.store {
+                tracing::warn!(
+                    requested = %describe_store(&cfg.store.backend),
+                    "store changes need a restart; still using {}",
+                    describe_store(&started.store)
                 );
             }
             if cfg.limits.max_header_bytes != old.config.limits.max_header_bytes {

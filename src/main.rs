@@ -46,6 +46,10 @@ enum Command {
     Serve {
         #[arg(long, default_value = DEFAULT_PATH)]
         config: PathBuf,
+        /// Allow creating a new redb store in place of an empty (0-byte) store file, which
+        /// is otherwise refused: a store that existed must never silently start over.
+        #[arg(long)]
+        init_store: bool,
     },
     /// Validate a config and print the route table (exit 0 valid, 2 invalid).
     Check {
@@ -158,8 +162,10 @@ async fn run(cmd: Command) -> ExitCode {
                 Err(code) => code,
             };
         }
-        Command::Serve { config } => match load(&config) {
-            Ok(cfg) => idemproxy::app::serve(cfg).await,
+        Command::Serve { config, init_store } => match load(&config) {
+            Ok(cfg) => {
+                idemproxy::app::serve_with(cfg, idemproxy::app::ServeOptions { init_store }).await
+            }
             Err(code) => return code,
         },
         Command::Records { config, command } => {

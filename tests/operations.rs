@@ -280,3 +280,54 @@ fn workers_are_pinned_one_per_cpu_unless_told_not_to() {
     proxy.terminate();
     assert_eq!(one, vec![own.clone()], "a lone worker is not pinned");
 }
+
+/// A reload that changes what only a restart can (the listen address, the store) says so
+/// and names what is still in use: the address actually bound, the store actually open,
+/// also on a second reload after the first was refused (issue 34, item 7).
+#[tokio::test(flavor = "multi_thread")]
+async fn sighup_names_the_listener_and_store_still_in_use() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ds = FakeDownstream::start().await;
+    let yaml = config(dir.path(), &ds.url());
+    let proxy = ProxyProc::start(dir.path(), &yaml);
+    let changed = yaml
+        .replace("listen: 127.0.0.1:0", "listen: 127.0.0.1:1")
+        .replace("/store.redb", "/other.redb");
+    assert_ne!(changed, yaml);
+    std::fs::write(&proxy.config_path, &changed).expect("write");
+    for round in 1..=2 {
+        proxy.signal("HUP");
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        let count = |needle: &str| {
+            proxy
+                .stderr_lines()
+                .iter()
+                .filter(|l| l.contains(needle))
+                .count()
+        };
+        let bound = format!("still listening on {}", proxy.addr);
+        while count("configuration reloaded") < round {
+            assert!(std::time::Instant::now() < deadline, "no reload");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(count(&bound), round, "{:?}", proxy.stderr_lines());
+        assert_eq!(
+            count("store changes need a restart; still using redb"),
+            round,
+            "{:?}",
+            proxy.stderr_lines()
+        );
+    }
+    assert!(proxy
+        .stderr_lines()
+        .iter()
+        .any(|l| l.contains("still using redb") && l.contains("/store.redb")));
+    let r = post(
+        &client(),
+        &proxy.url("/mail/send"),
+        &[("idempotency-key", "k-hup")],
+        "{}",
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{r:?}");
+}

@@ -35,6 +35,7 @@ const MAX_BY_CHARS: usize = 128;
 enum Endpoint {
     Console(&'static str),
     Healthz,
+    Readyz,
     Metrics,
     List,
     Show(ExecutionId),
@@ -49,13 +50,16 @@ impl Endpoint {
     /// Static console files and the health probe carry no data: they are served without
     /// the token (a browser cannot send a bearer header when it navigates to `/`).
     fn is_public(&self) -> bool {
-        matches!(self, Endpoint::Console(_) | Endpoint::Healthz)
+        matches!(
+            self,
+            Endpoint::Console(_) | Endpoint::Healthz | Endpoint::Readyz
+        )
     }
 
     /// The scope a token needs for this endpoint, and what it does (for the 403's text).
     fn needs(&self) -> Option<(Scope, &'static str)> {
         Some(match self {
-            Endpoint::Console(_) | Endpoint::Healthz => return None,
+            Endpoint::Console(_) | Endpoint::Healthz | Endpoint::Readyz => return None,
             Endpoint::Metrics | Endpoint::List | Endpoint::Show(_) | Endpoint::Operation(_) => {
                 (Scope::View, "read executions")
             }
@@ -116,6 +120,7 @@ fn route(method: &Method, path: &str) -> Result<Endpoint, AdminError> {
         ["console.js"] => ("GET", Endpoint::Console("console.js")),
         ["console.css"] => ("GET", Endpoint::Console("console.css")),
         ["healthz"] => ("GET", Endpoint::Healthz),
+        ["readyz"] => ("GET", Endpoint::Readyz),
         ["metrics"] => ("GET", Endpoint::Metrics),
         ["v1", "executions"] => ("GET", Endpoint::List),
         ["v1", "executions", e] if !e.is_empty() => ("GET", Endpoint::Show(id(e))),
@@ -154,7 +159,8 @@ async fn dispatch(
     let store = admin.proxy.store.as_ref();
     match endpoint {
         Endpoint::Console(file) => Ok(console::serve(file)),
-        Endpoint::Healthz => healthz(admin).await,
+        Endpoint::Healthz => Ok(json(StatusCode::OK, &serde_json::json!({ "status": "ok" }))),
+        Endpoint::Readyz => readyz(admin).await,
         Endpoint::Metrics => {
             let mut resp = Response::new(full(admin.proxy.metrics.encode()));
             resp.headers_mut().insert(
@@ -245,14 +251,26 @@ async fn dispatch(
     }
 }
 
-async fn healthz(admin: &Admin) -> Result<Response<ProxyBody>, AdminError> {
+/// Ready to take side effects: the store answers and its writes can succeed (a lost or
+/// failed redb file, an unreachable database or failing writes answer 503 with why).
+/// `/healthz` is liveness only: a store outage must not get a live process restarted.
+async fn readyz(admin: &Admin) -> Result<Response<ProxyBody>, AdminError> {
+    let store = &admin.proxy.store;
     // A point read proves the store answers; the id never exists.
-    admin
-        .proxy
-        .store
-        .get(&ExecutionId("healthz-probe".into()))
-        .await?;
-    Ok(json(StatusCode::OK, &serde_json::json!({ "status": "ok" })))
+    let result = match store.get(&ExecutionId("readyz-probe".into())).await {
+        Ok(_) => store.ready().await,
+        Err(e) => Err(e.to_string()),
+    };
+    Ok(match result {
+        Ok(()) => json(StatusCode::OK, &serde_json::json!({ "status": "ready" })),
+        Err(reason) => {
+            tracing::warn!(%reason, "not ready: side-effect writes would fail");
+            json(
+                StatusCode::SERVICE_UNAVAILABLE,
+                &serde_json::json!({ "status": "not_ready", "reason": reason }),
+            )
+        }
+    })
 }
 
 /// The route's `approval.expires` for a record, from the running config. A route that was
@@ -459,6 +477,7 @@ mod tests {
             Err(AdminError::BadRequest(_))
         ));
         assert!(routed(Method::GET, "/healthz").is_ok_and(|e| e.is_public()));
+        assert!(routed(Method::GET, "/readyz").is_ok_and(|e| e.is_public()));
         assert!(routed(Method::GET, "/metrics").is_ok_and(|e| !e.is_public()));
     }
 

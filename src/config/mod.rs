@@ -95,7 +95,7 @@ impl AdminToken {
     }
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StoreBackend {
     Redb {
         path: PathBuf,

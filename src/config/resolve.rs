@@ -63,7 +63,7 @@ impl Validator {
         self.issues.push(Issue {
             path: path.into(),
             line: None,
-            message: message.into(),
+            message: cut_values(&message.into()),
         });
     }
 
@@ -118,10 +118,7 @@ impl Validator {
                 Some(n) => {
                     self.err(
                         format!("{path}.name"),
-                        format!(
-                            "`{}` is not a token name (1-64 of A-Z a-z 0-9 - _ .)",
-                            cut(&n)
-                        ),
+                        format!("`{}` is not a token name (1-64 of A-Z a-z 0-9 - _ .)", n),
                     );
                     continue;
                 }
@@ -154,7 +151,7 @@ impl Validator {
                         format!("{path}.scopes[{j}]"),
                         format!(
                             "expected one of view | approve | resolve | cancel | admin, found `{}`",
-                            cut(&s)
+                            s
                         ),
                     ),
                 }
@@ -393,10 +390,16 @@ impl Validator {
                         ),
                     );
                 }
-                StoreBackend::Postgres {
-                    url_env: s.url_env.unwrap_or_else(|| "IDEMPROXY_POSTGRES_URL".into()),
-                    schema,
+                let url_env = s.url_env.unwrap_or_else(|| "IDEMPROXY_POSTGRES_URL".into());
+                if url_env.is_empty() || url_env.contains(['=', '\0']) {
+                    self.err(
+                        "store.url_env",
+                        format!(
+                            "expected the name of the environment variable holding the PostgreSQL URL, found `{url_env}`"
+                        ),
+                    );
                 }
+                StoreBackend::Postgres { url_env, schema }
             }
             other => {
                 self.err(
@@ -669,6 +672,13 @@ impl Validator {
         let rpath = match m.path {
             Some(p) if p.starts_with('/') && !p.contains('?') => {
                 self.normal_path(&format!("{path}.match.path"), &p);
+                if let Some(twice) = repeated_param(&p) {
+                    self.err(
+                        format!("{path}.match.path"),
+                        format!("the path template `{p}` names the parameter `{twice}` more than once; give each parameter its own name"),
+                    );
+                    return None;
+                }
                 p
             }
             Some(p) => {
@@ -935,16 +945,49 @@ impl Validator {
     }
 }
 
+/// Values quoted in a message (between backticks) are cut to [`MAX_SHOWN`] characters: a
+/// config value can be megabytes long, and `check` must still print a readable line.
+const MAX_SHOWN: usize = 80;
+
+fn cut_values(message: &str) -> String {
+    let mut out = String::with_capacity(message.len().min(1024));
+    let mut parts = message.split('`');
+    if let Some(first) = parts.next() {
+        out.push_str(first);
+    }
+    for (i, part) in parts.enumerate() {
+        out.push('`');
+        // Odd pieces (0-based after the first) sit between a pair of backticks.
+        if i % 2 == 0 && part.chars().count() > MAX_SHOWN {
+            out.extend(part.chars().take(MAX_SHOWN - 20));
+            out.push_str(&format!("… ({} bytes in all)", part.len()));
+        } else {
+            out.push_str(part);
+        }
+    }
+    out
+}
+
+/// The first parameter a path template names twice (`/a/{id}/{id}`), if any.
+fn repeated_param(template: &str) -> Option<String> {
+    let mut seen = std::collections::HashSet::new();
+    for segment in template.split('/') {
+        let Some(name) = segment
+            .strip_prefix('{')
+            .and_then(|s| s.strip_suffix('}'))
+            .map(|s| s.trim_start_matches('*'))
+        else {
+            continue;
+        };
+        if !seen.insert(name) {
+            return Some(name.to_string());
+        }
+    }
+    None
+}
+
 fn is_name(s: &str) -> bool {
     !s.is_empty()
         && s.chars()
             .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-' || c == '.')
-}
-
-/// A value quoted in a message, cut to 80 characters (a bad value can be megabytes).
-fn cut(s: &str) -> String {
-    match s.char_indices().nth(80) {
-        Some((i, _)) => format!("{}...", &s[..i]),
-        None => s.to_string(),
-    }
 }

@@ -231,3 +231,24 @@ fn connection_deadlines_have_defaults_and_are_read_with_their_paths() {
         "{text}"
     );
 }
+
+/// Issue 34: `check` refuses an empty `url_env` and a template naming a parameter twice,
+/// and cuts long values in its messages.
+#[test]
+fn empty_url_env_repeated_params_and_long_values() {
+    let pg = "store: { backend: postgres, url_env: \"\" }\nupstreams: []\n";
+    let err = from_yaml(pg, Path::new("t.yaml")).expect_err("empty url_env");
+    assert!(err.to_string().contains("store.url_env"), "{err}");
+
+    let twice = "store: { backend: redb, path: x.redb }\nupstreams:\n  - name: a\n    url: http://127.0.0.1:1\n    mount: /a\n    routes:\n      - { name: r, match: { method: POST, path: \"/a/{id}/{id}\" } }\n";
+    let err = from_yaml(twice, Path::new("t.yaml")).expect_err("repeated param");
+    assert!(err.to_string().contains("`id` more than once"), "{err}");
+
+    let long = "x".repeat(10 << 20);
+    let yaml =
+        format!("listen: \"{long}\"\nstore: {{ backend: redb, path: x.redb }}\nupstreams: []\n");
+    let err = from_yaml(&yaml, Path::new("t.yaml")).expect_err("bad listen");
+    let text = err.to_string();
+    assert!(text.len() < 2000, "{} bytes", text.len());
+    assert!(text.contains("bytes in all"), "{text}");
+}

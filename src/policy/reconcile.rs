@@ -320,8 +320,16 @@ pub fn last_send_ms(record: &Record) -> i64 {
 
 /// `Ok` when a "not found" can be trusted: the last send is older than `settle`, so the
 /// original request can no longer be in progress downstream. Otherwise how long is left.
+///
+/// A shared store (PostgreSQL) measures the age of the last send on its own clock
+/// ([`Record::send_age`](crate::store::Record)): instances whose wall clocks disagree then
+/// still agree on the window. Only without it (redb: one process, one clock) is `now_ms`
+/// compared with the record's timestamps.
 pub fn settled(record: &Record, settle: Duration, now_ms: i64) -> Result<(), Duration> {
-    let since = now_ms.saturating_sub(last_send_ms(record)).max(0);
+    let since = match record.send_age.0 {
+        Some(age) => age.now_ms(),
+        None => now_ms.saturating_sub(last_send_ms(record)).max(0),
+    };
     let settle_ms = i64::try_from(settle.as_millis()).unwrap_or(i64::MAX);
     if since >= settle_ms {
         Ok(())

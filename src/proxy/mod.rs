@@ -4,6 +4,7 @@
 
 mod downstream;
 pub mod passthrough;
+mod pending;
 pub mod reconcile;
 pub mod recovery;
 pub mod replay;
@@ -44,9 +45,15 @@ impl Runtime {
     pub fn new(config: Config) -> Result<Runtime, client::ClientBuildError> {
         let shared = Shared {
             replays: Arc::new(replay::ReplayCache::new(config.limits.replay_cache_bytes)),
-            calls: Arc::new(tokio::sync::Semaphore::new(
-                config.limits.max_calls_in_flight,
-            )),
+            calls: Arc::from_iter(config.upstreams.iter().map(|u| {
+                (0..u.routes.len() + 2)
+                    .map(|_| {
+                        Arc::new(tokio::sync::Semaphore::new(
+                            config.limits.max_calls_in_flight,
+                        ))
+                    })
+                    .collect::<Box<[_]>>()
+            })),
         };
         Self::with_clients(Arc::new(config), shared)
     }
@@ -77,6 +84,17 @@ impl Runtime {
         })
     }
 
+    /// The turns of `target`'s route (`limits.max_calls_in_flight` per route).
+    pub fn turns(&self, target: &Target<'_>) -> &Arc<tokio::sync::Semaphore> {
+        let routes = &self.shared.calls[target.upstream_index];
+        let slot = match target.route_ref {
+            RouteRef::Declared(i) => i,
+            RouteRef::FallbackSideEffect => routes.len() - 2,
+            RouteRef::FallbackReadOnly => routes.len() - 1,
+        };
+        &routes[slot]
+    }
+
     /// The replay counters of `target`'s route.
     pub fn replay_counters(&self, metrics: &Metrics, target: &Target<'_>) -> &ReplayCounters {
         let routes = &self.replay_counters[target.upstream_index];
@@ -95,8 +113,10 @@ impl Runtime {
 pub struct Shared {
     /// Delivered answers ready to replay.
     pub replays: Arc<replay::ReplayCache>,
-    /// Turns for keyed side-effect calls past admission (`limits.max_calls_in_flight`).
-    pub calls: Arc<tokio::sync::Semaphore>,
+    /// Turns for keyed side-effect calls past admission (`limits.max_calls_in_flight`),
+    /// per upstream, per route (declared, then the two fallbacks): a slow route fills its
+    /// own turns and never delays calls to the others.
+    pub calls: Arc<[Box<[Arc<tokio::sync::Semaphore>]>]>,
 }
 
 /// A running proxy's shared state.
@@ -210,9 +230,17 @@ impl Proxy {
         // connection, instead of each holding a task, its records and a
         // place in the writer's queue (1,000 concurrent first executions
         // took over 140 MiB). The writer's batches stay full at the bound.
-        let turn = match &admitted {
-            side_effect::Admit::Protected(_) => rt.shared.calls.clone().acquire_owned().await.ok(),
-            _ => None,
+        // A call whose turn is not free at once waits in its task, where a stored result
+        // is looked up first: a replay never queues behind executions.
+        let (turn, queue) = match &admitted {
+            side_effect::Admit::Protected(_) => {
+                let turns = rt.turns(&target);
+                match turns.clone().try_acquire_owned() {
+                    Ok(turn) => (Some(turn), None),
+                    Err(_) => (None, Some(turns.clone())),
+                }
+            }
+            _ => (None, None),
         };
         let client = client.clone();
         // hyper drops the service future when the client disconnects. A
@@ -226,7 +254,7 @@ impl Proxy {
             let target = owned.bind(&rt.config.upstreams);
             match admitted {
                 side_effect::Admit::Protected(call) => {
-                    side_effect::run(&proxy, &rt, &client, &target, call, &peer).await
+                    side_effect::run(&proxy, &rt, &client, &target, call, &peer, queue).await
                 }
                 side_effect::Admit::Unprotected(req) => {
                     side_effect::unprotected(&proxy, &rt, &client, &target, req, &peer).await

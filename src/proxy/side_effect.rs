@@ -305,6 +305,7 @@ pub async fn run(
     target: &Target<'_>,
     admitted: Admitted,
     peer: &ClientAddr,
+    queue: Option<Arc<tokio::sync::Semaphore>>,
 ) -> Response<ProxyBody> {
     let Admitted {
         parts,
@@ -338,6 +339,19 @@ pub async fn run(
         raw,
         tenant,
         peer,
+    };
+    // The route's turns are all taken: a stored result is answered without one (a replay
+    // never waits behind executions); anything else waits for its turn.
+    let _turn = match queue {
+        None => None,
+        Some(turns) => {
+            if let Ok(Some(r)) = call.proxy.store.get(&call.id).await {
+                if r.state().has_result() && r.args_hash == call.args {
+                    return failpoint::on_answer(call.replay(&r));
+                }
+            }
+            turns.acquire_owned().await.ok()
+        }
     };
     failpoint::on_answer(call.run().await)
 }
@@ -1100,7 +1114,15 @@ impl Call<'_> {
         if let Err(e) = record.apply(event, now_ms(), note) {
             return Err(StoreError::Backend(e.to_string()));
         }
-        let stored = self.proxy.store.update(record).await?;
+        let stored = match self.proxy.store.update(record.clone()).await {
+            Ok(stored) => stored,
+            Err(e @ StoreError::Backend(_)) => {
+                // Never leave the record `executing` under our live lease (issue 34).
+                super::pending::keep_writing(self.proxy.store.clone(), record);
+                return Err(e);
+            }
+            Err(e) => return Err(e),
+        };
         if stored.state() == State::OutcomeUnknown {
             self.metrics()
                 .outcome_unknown
@@ -1128,11 +1150,12 @@ impl Call<'_> {
             }
             Err(StoreError::Conflict { .. }) => self.commit_after_takeover(stored).await,
             Err(e) => {
-                // The effect happened but is not recorded: the record stays `executing` and
-                // becomes `outcome_unknown` on recovery; the client must not assume failure.
+                // The effect happened but is not recorded yet: the answer is kept and
+                // written when the store takes it (`pending`), so a retry replays it; the
+                // client must not assume failure.
                 tracing::error!(execution_id = %self.id, error = %e, "downstream committed but the record could not be written");
                 self.unknown_problem(
-                    format!("the downstream answered but the record could not be stored: {e}"),
+                    format!("the downstream answered but the record could not be stored yet ({e}); the answer is kept and stored once the store recovers, so a retry with the same key returns it"),
                     false,
                 )
             }

@@ -12,7 +12,9 @@ pub mod redb;
 use async_trait::async_trait;
 
 pub use operation::{OperationMark, OperationState};
-pub use record::{Approval, HistoryEntry, Lease, NewRecord, Record, StoredResponse};
+pub use record::{
+    Approval, HistoryEntry, Lease, NewRecord, ReadAge, Record, SendAge, StoredResponse,
+};
 
 use crate::policy::identity::ExecutionId;
 use crate::policy::state::State;
@@ -49,8 +51,9 @@ pub enum StoreError {
     },
     #[error("no execution record {0}")]
     NotFound(ExecutionId),
-    /// A storage failure. For redb this is sticky: after one, the store refuses all
-    /// further writes so a half-applied state can never lead to a double execution.
+    /// A storage failure. For redb, writes stay refused after one until the file can be
+    /// written again and is reopened (what is on disk is then read afresh), or for good
+    /// when the file was lost, so a half-applied state can never lead to a double execution.
     #[error("store failure: {0}")]
     Backend(String),
     #[error("stored record {id} is unreadable: {reason}")]
@@ -98,6 +101,11 @@ pub trait Store: Send + Sync + 'static {
 
     /// The mark of `operation_id`, if it was ever cancelled (and not yet swept).
     async fn operation(&self, operation_id: &str) -> StoreResult<Option<OperationMark>>;
+
+    /// Whether side-effect writes can succeed now (the admin `/readyz`): `Err` with the
+    /// reason while they fail (a failed or lost redb file, an unreachable database, a
+    /// write that failed and has not succeeded since). Cheap: a probe, not a write.
+    async fn ready(&self) -> Result<(), String>;
 }
 
 /// Milliseconds since the Unix epoch: records outlive processes, so they carry wall time.

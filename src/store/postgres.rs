@@ -29,9 +29,19 @@
 //! owner's own later commit must still match), so the `lease_expires_at_ms` column, not
 //! the copy inside `body`, is authoritative for the lease: reads overlay it on the record,
 //! and an owner's update of a still-executing record never moves its lease backwards.
-//! Lease expiry is compared with the caller's wall clock (`now_ms`), so instances need
-//! roughly synchronised clocks; skew only shifts *when* a lease counts as expired, never
-//! lets two writers commit, because the CAS decides.
+//!
+//! **One clock.** Instances' wall clocks may disagree (a skewed host, a bad NTP step).
+//! Every time decision two instances must agree on is therefore made with the database's
+//! clock, inside the statement (`statement_timestamp()`): a lease is written as "now plus
+//! the lease" on that clock, [`Store::stale_executing`] compares with it, and the row keeps
+//! when the record last moved to `executing` (`sent_at_ms`) so a reader learns the age of
+//! the last send ([`Record::send_age`]) for a lookup's settle window. The trait still speaks
+//! in this instance's milliseconds; only their distance from this instance's `now_ms()`
+//! (a duration) crosses to the database, and reads come back as durations too (time left
+//! on a lease, age of a send). Wall-clock skew between instances therefore changes no
+//! decision; what remains assumed is that a process is not paused (GC, SIGSTOP, a frozen
+//! VM) for longer than its lease between renewals, and even then fencing (below) keeps a
+//! paused owner from committing over a takeover (docs/STORES.md).
 //!
 //! **Retention sweep.** `DELETE ... WHERE id IN (SELECT id ... FOR UPDATE SKIP LOCKED LIMIT n)`:
 //! concurrent sweepers lock disjoint batches, so no row is deleted twice and none is
@@ -54,7 +64,8 @@ use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use tokio_postgres::{NoTls, Row};
 
 use super::{
-    Claim, Lease, ListFilter, OperationMark, OperationState, Record, Store, StoreError, StoreResult,
+    now_ms, Claim, Lease, ListFilter, OperationMark, OperationState, ReadAge, Record, SendAge,
+    Store, StoreError, StoreResult,
 };
 use crate::policy::identity::ExecutionId;
 use crate::policy::state::State;
@@ -68,11 +79,35 @@ const POOL_SIZE: usize = 16;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a request waits for a free connection before failing with `Backend`.
 const POOL_WAIT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Every store call's deadline, on the client (a frozen server cannot enforce its own
+/// `statement_timeout`) and on the server (a statement stuck on a lock).
+const STATEMENT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long `/readyz` waits for the database to answer `SELECT 1`.
+const READY_PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 /// Bounded retries of claim's insert-then-read when the row vanishes in between (gc).
 const CLAIM_ATTEMPTS: usize = 3;
 
-/// The columns every read selects, in the order [`decode_row`] expects.
-const COLUMNS: &str = "id, version, lease_owner, lease_expires_at_ms, body";
+/// The database's clock in milliseconds since the epoch, as SQL: every time decision
+/// instances must agree on (lease expiry, takeover, the age of the last send) is made
+/// with it, in the statement, never with an instance's clock. `statement_timestamp()`
+/// is one value for the whole statement (all our statements are single-statement
+/// transactions, so it is also the transaction's time).
+macro_rules! db_now {
+    () => {
+        "(extract(epoch from statement_timestamp()) * 1000)::bigint"
+    };
+}
+
+/// The columns every read selects, in the order [`decode_row`] expects. The lease is read
+/// as the time it has left on the database's clock and the last send as its age there:
+/// both are durations, which mean the same on every instance whatever its wall clock.
+const COLUMNS: &str = concat!(
+    "id, version, lease_owner, lease_expires_at_ms - ",
+    db_now!(),
+    ", body, ",
+    db_now!(),
+    " - sent_at_ms"
+);
 /// The columns of an operation mark, in the order [`decode_mark`] expects.
 const MARK_COLUMNS: &str = "id, state, cancelled_by, cancelled_at_ms, updated_at_ms, expires_at_ms";
 
@@ -81,6 +116,8 @@ const MARK_COLUMNS: &str = "id, state, cancelled_by, cancelled_at_ms, updated_at
 pub struct PostgresStore {
     pool: Pool,
     sql: Sql,
+    /// Why the last write failed, until a write succeeds again (readiness).
+    write_failure: std::sync::Mutex<Option<String>>,
 }
 
 /// Statement texts, qualified with the store's schema once at connect time.
@@ -106,29 +143,38 @@ impl Sql {
         Sql {
             claim: format!(
                 "INSERT INTO {table} (id, version, state, operation_id, lease_owner, \
-                 lease_expires_at_ms, expires_at_ms, created_at_ms, body) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) \
-                 ON CONFLICT (id) DO NOTHING"
+                 lease_expires_at_ms, expires_at_ms, created_at_ms, body, sent_at_ms) \
+                 VALUES ($1, $2, $3, $4, $5, $6::bigint + {now}, $7, $8, $9, \
+                 CASE WHEN $3::text = 'executing' THEN {now} END) \
+                 ON CONFLICT (id) DO NOTHING",
+                now = db_now!()
             ),
             get: format!("SELECT {COLUMNS} FROM {table} WHERE id = $1"),
             version_of: format!("SELECT version FROM {table} WHERE id = $1"),
             // The lease only ever moves forward while the same owner keeps executing: the
             // caller's copy may predate a renewal (see the module docs).
+            // `$7` is the lease's time left (see `Columns`), `sent_at_ms` moves on every
+            // move into `executing`, both on the database's clock.
             update: format!(
                 "UPDATE {table} SET version = $3, state = $4::text, operation_id = $5, \
                  lease_owner = $6::text, \
                  lease_expires_at_ms = CASE \
                      WHEN state = 'executing' AND $4::text = 'executing' \
                          AND lease_owner = $6::text \
-                     THEN GREATEST(lease_expires_at_ms, $7::bigint) ELSE $7::bigint END, \
+                     THEN GREATEST(lease_expires_at_ms, $7::bigint + {now}) \
+                     ELSE $7::bigint + {now} END, \
+                 sent_at_ms = CASE WHEN $4::text = 'executing' AND state <> 'executing' \
+                     THEN {now} ELSE sent_at_ms END, \
                  expires_at_ms = $8, created_at_ms = $9, body = $10 \
                  WHERE id = $1 AND version = $2 \
-                 RETURNING lease_expires_at_ms"
+                 RETURNING lease_expires_at_ms - {now}, {now} - sent_at_ms",
+                now = db_now!()
             ),
             stale: format!(
                 "SELECT {COLUMNS} FROM {table} WHERE state = 'executing' \
-                 AND (lease_expires_at_ms IS NULL OR lease_expires_at_ms < $1) \
-                 ORDER BY lease_expires_at_ms NULLS FIRST, id LIMIT $2"
+                 AND (lease_expires_at_ms IS NULL OR lease_expires_at_ms < $1::bigint + {now}) \
+                 ORDER BY lease_expires_at_ms NULLS FIRST, id LIMIT $2",
+                now = db_now!()
             ),
             stale_all: format!(
                 "SELECT {COLUMNS} FROM {table} WHERE state = 'executing' \
@@ -136,8 +182,10 @@ impl Sql {
             ),
             renew: format!(
                 "UPDATE {table} \
-                 SET lease_expires_at_ms = GREATEST(COALESCE(lease_expires_at_ms, $2), $2) \
-                 WHERE state = 'executing' AND lease_owner = $1"
+                 SET lease_expires_at_ms = GREATEST(COALESCE(lease_expires_at_ms, \
+                     $2::bigint + {now}), $2::bigint + {now}) \
+                 WHERE state = 'executing' AND lease_owner = $1",
+                now = db_now!()
             ),
             // The outer condition repeats the inner one so that the delete itself, not
             // only the candidate scan, can never remove an executing or retained row.
@@ -215,10 +263,17 @@ impl PostgresStore {
         let mut config: tokio_postgres::Config = url
             .parse()
             .map_err(|e| db_error("parse the postgres URL", &e))?;
+        let ours = format!(
+            "-c synchronous_commit=on -c statement_timeout={}",
+            STATEMENT_TIMEOUT.as_millis()
+        );
         let options = match config.get_options() {
-            Some(o) if !o.is_empty() => format!("{o} -c synchronous_commit=on"),
-            _ => "-c synchronous_commit=on".to_string(),
+            Some(o) if !o.is_empty() => format!("{o} {ours}"),
+            _ => ours,
         };
+        // A dead peer (a host gone, a partition) is noticed on idle pooled connections too.
+        config.keepalives(true);
+        config.keepalives_idle(Duration::from_secs(10));
         config.options(options);
         if config.get_application_name().is_none() {
             config.application_name("idemproxy");
@@ -243,6 +298,7 @@ impl PostgresStore {
         let store = PostgresStore {
             pool,
             sql: Sql::new(schema),
+            write_failure: std::sync::Mutex::new(None),
         };
         let mut client = store.client("connect").await?;
         schema::migrate(&mut client, schema).await?;
@@ -288,9 +344,9 @@ impl PostgresStore {
     }
 }
 
-#[async_trait]
-impl Store for PostgresStore {
-    async fn claim(&self, mut record: Record) -> StoreResult<Claim> {
+/// The statements behind [`Store`]; the trait methods give each one its deadline.
+impl PostgresStore {
+    async fn claim_now(&self, mut record: Record) -> StoreResult<Claim> {
         record.version = 1;
         let cols = Columns::of(&record);
         let body = record.to_bytes();
@@ -310,7 +366,7 @@ impl Store for PostgresStore {
                         &cols.state,
                         &cols.operation_id,
                         &cols.lease_owner,
-                        &cols.lease_expires_at_ms,
+                        &cols.lease_left_ms,
                         &cols.expires_at_ms,
                         &cols.created_at_ms,
                         &body,
@@ -335,11 +391,11 @@ impl Store for PostgresStore {
         )))
     }
 
-    async fn get(&self, id: &ExecutionId) -> StoreResult<Option<Record>> {
+    async fn get_now(&self, id: &ExecutionId) -> StoreResult<Option<Record>> {
         self.fetch(id).await
     }
 
-    async fn update(&self, mut record: Record) -> StoreResult<Record> {
+    async fn update_now(&self, mut record: Record) -> StoreResult<Record> {
         let expected = record.version;
         let next = expected
             .checked_add(1)
@@ -363,7 +419,7 @@ impl Store for PostgresStore {
                     &cols.state,
                     &cols.operation_id,
                     &cols.lease_owner,
-                    &cols.lease_expires_at_ms,
+                    &cols.lease_left_ms,
                     &cols.expires_at_ms,
                     &cols.created_at_ms,
                     &body,
@@ -372,10 +428,12 @@ impl Store for PostgresStore {
             .await
             .map_err(|e| db_error("update", &e))?;
         if let Some(row) = row {
-            let lease_expires: Option<i64> = row.try_get(0).map_err(|e| db_error("update", &e))?;
-            if let (Some(lease), Some(at)) = (record.lease.as_mut(), lease_expires) {
-                lease.expires_at_ms = at;
+            let lease_left: Option<i64> = row.try_get(0).map_err(|e| db_error("update", &e))?;
+            let send_age: Option<i64> = row.try_get(1).map_err(|e| db_error("update", &e))?;
+            if let (Some(lease), Some(left)) = (record.lease.as_mut(), lease_left) {
+                lease.expires_at_ms = now_ms().saturating_add(left);
             }
+            record.send_age = read_age(send_age);
             return Ok(record);
         }
         // Nothing matched: tell a stale version from a missing record. A fresh statement
@@ -401,7 +459,7 @@ impl Store for PostgresStore {
         }
     }
 
-    async fn list(&self, filter: &ListFilter) -> StoreResult<Vec<Record>> {
+    async fn list_now(&self, filter: &ListFilter) -> StoreResult<Vec<Record>> {
         let sql = self.sql.list(filter);
         let status = filter.status.map(State::as_str);
         let after = filter.after.as_ref().map(|a| a.0.as_str());
@@ -417,33 +475,57 @@ impl Store for PostgresStore {
             params.push(a);
         }
         params.push(&limit);
-        self.query_records("list", &sql, &params).await
+        let client = self.client("list").await?;
+        let stmt = client
+            .prepare_cached(&sql)
+            .await
+            .map_err(|e| db_error("list", &e))?;
+        let rows = client
+            .query(&stmt, &params)
+            .await
+            .map_err(|e| db_error("list", &e))?;
+        // One unreadable row is left out with a warning, not the whole page.
+        let mut out = Vec::with_capacity(rows.len());
+        for row in &rows {
+            match decode_row(row) {
+                Ok(r) => out.push(r),
+                Err(StoreError::Corrupt { id, reason }) => {
+                    tracing::warn!(execution_id = %id, %reason, "listing skips an unreadable record");
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(out)
     }
 
-    async fn stale_executing(&self, now_ms: i64, limit: usize) -> StoreResult<Vec<Record>> {
+    async fn stale_executing_now(&self, now_ms: i64, limit: usize) -> StoreResult<Vec<Record>> {
         let limit = db_limit(limit);
         if now_ms == i64::MAX {
             self.query_records("stale_executing", &self.sql.stale_all, &[&limit])
                 .await
         } else {
-            self.query_records("stale_executing", &self.sql.stale, &[&now_ms, &limit])
+            // Only how far `now_ms` lies from this instance's clock counts: the database's
+            // clock decides which leases expired.
+            let from_now = now_ms.saturating_sub(super::now_ms());
+            self.query_records("stale_executing", &self.sql.stale, &[&from_now, &limit])
                 .await
         }
     }
 
-    async fn renew_leases(&self, owner: &str, until_ms: i64) -> StoreResult<u64> {
+    async fn renew_leases_now(&self, owner: &str, until_ms: i64) -> StoreResult<u64> {
         let client = self.client("renew_leases").await?;
         let stmt = client
             .prepare_cached(&self.sql.renew)
             .await
             .map_err(|e| db_error("renew_leases", &e))?;
+        let from_now = until_ms.saturating_sub(now_ms());
         client
-            .execute(&stmt, &[&owner, &until_ms])
+            .execute(&stmt, &[&owner, &from_now])
             .await
             .map_err(|e| db_error("renew_leases", &e))
     }
 
-    async fn gc(&self, now_ms: i64, limit: usize) -> StoreResult<u64> {
+    async fn gc_now(&self, now_ms: i64, limit: usize) -> StoreResult<u64> {
         let limit = db_limit(limit);
         let client = self.client("gc").await?;
         let mut removed = 0;
@@ -460,7 +542,7 @@ impl Store for PostgresStore {
         Ok(removed)
     }
 
-    async fn mark_operation(&self, mark: OperationMark) -> StoreResult<OperationMark> {
+    async fn mark_operation_now(&self, mark: OperationMark) -> StoreResult<OperationMark> {
         let client = self.client("mark_operation").await?;
         let stmt = client
             .prepare_cached(&self.sql.mark_operation)
@@ -483,7 +565,7 @@ impl Store for PostgresStore {
         decode_mark(&row)
     }
 
-    async fn operation(&self, operation_id: &str) -> StoreResult<Option<OperationMark>> {
+    async fn operation_now(&self, operation_id: &str) -> StoreResult<Option<OperationMark>> {
         let client = self.client("operation").await?;
         let stmt = client
             .prepare_cached(&self.sql.operation)
@@ -494,6 +576,102 @@ impl Store for PostgresStore {
             .await
             .map_err(|e| db_error("operation", &e))?;
         row.as_ref().map(decode_mark).transpose()
+    }
+}
+
+#[async_trait]
+impl Store for PostgresStore {
+    async fn claim(&self, record: Record) -> StoreResult<Claim> {
+        let result = deadline("claim", self.claim_now(record)).await;
+        self.note_write(result)
+    }
+
+    async fn get(&self, id: &ExecutionId) -> StoreResult<Option<Record>> {
+        deadline("get", self.get_now(id)).await
+    }
+
+    async fn update(&self, record: Record) -> StoreResult<Record> {
+        let result = deadline("update", self.update_now(record)).await;
+        self.note_write(result)
+    }
+
+    async fn list(&self, filter: &ListFilter) -> StoreResult<Vec<Record>> {
+        deadline("list", self.list_now(filter)).await
+    }
+
+    async fn stale_executing(&self, now_ms: i64, limit: usize) -> StoreResult<Vec<Record>> {
+        deadline("stale_executing", self.stale_executing_now(now_ms, limit)).await
+    }
+
+    async fn renew_leases(&self, owner: &str, until_ms: i64) -> StoreResult<u64> {
+        let result = deadline("renew_leases", self.renew_leases_now(owner, until_ms)).await;
+        self.note_write(result)
+    }
+
+    async fn gc(&self, now_ms: i64, limit: usize) -> StoreResult<u64> {
+        deadline("gc", self.gc_now(now_ms, limit)).await
+    }
+
+    async fn mark_operation(&self, mark: OperationMark) -> StoreResult<OperationMark> {
+        let result = deadline("mark_operation", self.mark_operation_now(mark)).await;
+        self.note_write(result)
+    }
+
+    async fn operation(&self, operation_id: &str) -> StoreResult<Option<OperationMark>> {
+        deadline("operation", self.operation_now(operation_id)).await
+    }
+
+    /// Not ready while the last write failed (until one succeeds: the lease keeper writes
+    /// every third of a lease) or while the database does not answer a probe in time.
+    async fn ready(&self) -> Result<(), String> {
+        if let Some(why) = self.write_failure.lock().map_err(|_| "poisoned")?.clone() {
+            return Err(format!("the last write failed: {why}"));
+        }
+        let probe = async {
+            let client = self.client("ready").await?;
+            client
+                .simple_query("SELECT 1")
+                .await
+                .map_err(|e| db_error("ready", &e))?;
+            Ok::<(), StoreError>(())
+        };
+        match tokio::time::timeout(READY_PROBE_TIMEOUT, probe).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err(format!(
+                "postgres ready: no answer within {READY_PROBE_TIMEOUT:?}"
+            )),
+        }
+    }
+}
+
+/// `op` with the store's deadline: a database that stops answering (frozen, a network
+/// partition that drops packets) turns into a prompt [`StoreError::Backend`] instead of a
+/// call that hangs as long as the fault lasts. A write cut off this way may still take
+/// effect; callers re-read rather than assume it did not (see [`Store`]).
+async fn deadline<T>(
+    op: &str,
+    call: impl std::future::Future<Output = StoreResult<T>>,
+) -> StoreResult<T> {
+    match tokio::time::timeout(STATEMENT_TIMEOUT, call).await {
+        Ok(result) => result,
+        Err(_) => Err(StoreError::Backend(format!(
+            "postgres {op}: no answer within {STATEMENT_TIMEOUT:?}"
+        ))),
+    }
+}
+
+impl PostgresStore {
+    /// Remembers whether the last write reached the database, for [`Store::ready`].
+    fn note_write<T>(&self, result: StoreResult<T>) -> StoreResult<T> {
+        let failure = match &result {
+            Err(StoreError::Backend(why)) => Some(why.clone()),
+            _ => None,
+        };
+        if let Ok(mut last) = self.write_failure.lock() {
+            *last = failure;
+        }
+        result
     }
 }
 
@@ -521,7 +699,9 @@ struct Columns<'a> {
     state: &'static str,
     operation_id: Option<&'a str>,
     lease_owner: Option<&'a str>,
-    lease_expires_at_ms: Option<i64>,
+    /// The lease's time left by this instance's clock: the statement adds the database's
+    /// clock to it, so the stored expiry is on the one clock all instances share.
+    lease_left_ms: Option<i64>,
     expires_at_ms: i64,
     created_at_ms: i64,
 }
@@ -532,7 +712,10 @@ impl<'a> Columns<'a> {
             state: r.state().as_str(),
             operation_id: r.operation_id.as_deref(),
             lease_owner: r.lease.as_ref().map(|l| l.owner.as_str()),
-            lease_expires_at_ms: r.lease.as_ref().map(|l| l.expires_at_ms),
+            lease_left_ms: r
+                .lease
+                .as_ref()
+                .map(|l| l.expires_at_ms.saturating_sub(now_ms())),
             expires_at_ms: r.expires_at_ms,
             created_at_ms: r.created_at_ms,
         }
@@ -549,22 +732,33 @@ fn decode_row(row: &Row) -> StoreResult<Record> {
     };
     let version: i64 = row.try_get(1).map_err(|e| corrupt(e.to_string()))?;
     let owner: Option<String> = row.try_get(2).map_err(|e| corrupt(e.to_string()))?;
-    let lease_at: Option<i64> = row.try_get(3).map_err(|e| corrupt(e.to_string()))?;
+    let lease_left: Option<i64> = row.try_get(3).map_err(|e| corrupt(e.to_string()))?;
     let body: &[u8] = row.try_get(4).map_err(|e| corrupt(e.to_string()))?;
+    let send_age: Option<i64> = row.try_get(5).map_err(|e| corrupt(e.to_string()))?;
     let mut record = Record::from_bytes(&id, body)?;
     if record.id.0 != id {
         return Err(corrupt(format!("body belongs to {}", record.id)));
     }
     record.version = stored_version(&id, version)?;
-    record.lease = match (owner, lease_at) {
-        (Some(owner), Some(expires_at_ms)) => Some(Lease {
+    record.send_age = read_age(send_age);
+    // The expiry on this instance's clock: now plus what the database says is left.
+    record.lease = match (owner, lease_left) {
+        (Some(owner), Some(left)) => Some(Lease {
             owner,
-            expires_at_ms,
+            expires_at_ms: now_ms().saturating_add(left),
         }),
         (None, None) => None,
         _ => return Err(corrupt("lease owner and expiry disagree".into())),
     };
     Ok(record)
+}
+
+/// The age of the last send as read (`None`: the row predates `sent_at_ms`, or was never sent).
+fn read_age(age_ms: Option<i64>) -> ReadAge {
+    ReadAge(age_ms.map(|age_ms| SendAge {
+        age_ms,
+        read_at: std::time::Instant::now(),
+    }))
 }
 
 fn db_version(v: u64) -> StoreResult<i64> {
@@ -699,6 +893,33 @@ mod tests {
         })
     }
 
+    /// Leases cross to the database as "time left" and come back the same way (see the
+    /// module docs), so a lease read back may differ from the one written by the few
+    /// milliseconds the round trip took: compare records with that tolerance.
+    fn assert_same(a: &Record, b: &Record) {
+        let at = |r: &Record| r.lease.as_ref().map(|l| l.expires_at_ms);
+        match (at(a), at(b)) {
+            (Some(x), Some(y)) => assert!((x - y).abs() < 1000, "leases {x} and {y} differ"),
+            (x, y) => assert_eq!(x, y),
+        }
+        let strip = |r: &Record| {
+            let mut r = r.clone();
+            if let Some(l) = r.lease.as_mut() {
+                l.expires_at_ms = 0;
+            }
+            r
+        };
+        assert_eq!(strip(a), strip(b));
+    }
+
+    fn assert_near(at: Option<i64>, want: i64) {
+        let at = at.expect("a lease");
+        assert!(
+            (at - want).abs() < 1000,
+            "lease at {at}, expected about {want}"
+        );
+    }
+
     fn start(mut r: Record, owner: &str, lease_until: i64) -> Record {
         r.apply(Event::Start, NOW, None)
             .expect("start is legal here");
@@ -747,9 +968,9 @@ mod tests {
                 .await
                 .expect("CAS on the current version");
             assert_eq!(running.version, 2);
-            assert_eq!(
-                s.get(&id("ex_1")).await.expect("get"),
-                Some(running.clone())
+            assert_same(
+                &s.get(&id("ex_1")).await.expect("get").expect("present"),
+                &running,
             );
 
             // A writer still holding version 1 is refused and writes nothing.
@@ -765,9 +986,9 @@ mod tests {
                 }
                 other => panic!("expected Conflict, got {other:?}"),
             }
-            assert_eq!(
-                s.get(&id("ex_1")).await.expect("get"),
-                Some(running.clone())
+            assert_same(
+                &s.get(&id("ex_1")).await.expect("get").expect("present"),
+                &running,
             );
 
             let mut ghost = record("ex_ghost", "op_1", NOW);
@@ -807,14 +1028,16 @@ mod tests {
                 row.get(5),
                 row.get(6),
             );
+            // The lease column is on the database's clock: NOW + 50 by this process's
+            // clock, which is the database server's clock here (same machine).
+            assert_near(cols.4, NOW + 50);
             assert_eq!(
-                cols,
+                (cols.0, cols.1, cols.2, cols.3, cols.5, cols.6),
                 (
                     2,
                     "executing".into(),
                     Some("op_1".into()),
                     Some("a".into()),
-                    Some(NOW + 50),
                     NOW + 100,
                     NOW
                 )
@@ -853,10 +1076,10 @@ mod tests {
             assert_eq!(winners.len(), 1, "exactly one claim wins");
             assert_eq!(existing.len(), 49);
             let winner = &winners[0];
-            assert!(
-                existing.iter().all(|r| r == winner),
-                "every loser sees the winner's record"
-            );
+            // Every loser sees the winner's record.
+            for r in &existing {
+                assert_same(r, winner);
+            }
         })
         .await;
     }
@@ -867,13 +1090,17 @@ mod tests {
             let a = store(&url, &schema).await;
             let b = store(&url, &schema).await;
             let mine = claimed(
-                a.claim(start(record("ex_f", "op_1", NOW + 1000), "a", NOW + 10))
-                    .await
-                    .expect("claim"),
+                a.claim(start(
+                    record("ex_f", "op_1", NOW + 100_000),
+                    "a",
+                    NOW + 10_000,
+                ))
+                .await
+                .expect("claim"),
             );
 
             // A pauses; its lease runs out; B, the sweeper, takes the decision.
-            let stale = b.stale_executing(NOW + 11, 10).await.expect("stale");
+            let stale = b.stale_executing(NOW + 11_000, 10).await.expect("stale");
             assert_eq!(stale.len(), 1);
             let mut taken = stale[0].clone();
             assert_eq!(taken.version, mine.version);
@@ -893,7 +1120,7 @@ mod tests {
                 other => panic!("A's late commit must be fenced, got {other:?}"),
             }
             // A's renewal can no longer resurrect the lease either.
-            assert_eq!(a.renew_leases("a", NOW + 100).await.expect("renew"), 0);
+            assert_eq!(a.renew_leases("a", NOW + 100_000).await.expect("renew"), 0);
             let now = a.get(&id("ex_f")).await.expect("get").expect("present");
             assert_eq!(now.state(), State::OutcomeUnknown);
             assert_eq!(now.lease, None);
@@ -907,10 +1134,10 @@ mod tests {
         with_schema(|url, schema| async move {
             let s = store(&url, &schema).await;
             let far = NOW + 10_000;
-            s.claim(start(record("ex_expired", "op", far), "a", NOW - 1))
+            s.claim(start(record("ex_expired", "op", far), "a", NOW - 2_000))
                 .await
                 .expect("claim");
-            s.claim(start(record("ex_live", "op", far), "a", NOW + 500))
+            s.claim(start(record("ex_live", "op", far), "a", NOW + 5_000))
                 .await
                 .expect("claim");
             let mut unleased = start(record("ex_unleased", "op", far), "a", 0);
@@ -943,45 +1170,50 @@ mod tests {
             let s = store(&url, &schema).await;
             let far = NOW + 10_000;
             let a1 = claimed(
-                s.claim(start(record("ex_a1", "op", far), "a", NOW + 5))
+                s.claim(start(record("ex_a1", "op", far), "a", NOW + 5_000))
                     .await
                     .expect("claim"),
             );
-            s.claim(start(record("ex_a2", "op", far), "a", NOW + 5))
+            s.claim(start(record("ex_a2", "op", far), "a", NOW + 5_000))
                 .await
                 .expect("claim");
-            s.claim(start(record("ex_b1", "op", far), "b", NOW + 5))
+            s.claim(start(record("ex_b1", "op", far), "b", NOW + 5_000))
                 .await
                 .expect("claim");
 
-            assert_eq!(s.renew_leases("a", NOW + 100).await.expect("renew"), 2);
-            assert_eq!(s.renew_leases("nobody", NOW + 100).await.expect("renew"), 0);
-            let stale = s.stale_executing(NOW + 50, 10).await.expect("stale");
+            assert_eq!(s.renew_leases("a", NOW + 100_000).await.expect("renew"), 2);
+            assert_eq!(
+                s.renew_leases("nobody", NOW + 100_000)
+                    .await
+                    .expect("renew"),
+                0
+            );
+            let stale = s.stale_executing(NOW + 50_000, 10).await.expect("stale");
             assert_eq!(
                 stale.iter().map(|r| r.id.0.as_str()).collect::<Vec<_>>(),
                 ["ex_b1"]
             );
             // A renewal never moves a lease backwards.
-            assert_eq!(s.renew_leases("a", NOW + 20).await.expect("renew"), 2);
+            assert_eq!(s.renew_leases("a", NOW + 20_000).await.expect("renew"), 2);
 
             let renewed = s.get(&id("ex_a1")).await.expect("get").expect("present");
             assert_eq!(renewed.version, a1.version, "renewal is not a decision");
-            assert_eq!(
+            assert_near(
                 renewed.lease.as_ref().map(|l| l.expires_at_ms),
-                Some(NOW + 100)
+                NOW + 100_000,
             );
 
             // The owner's copy predates the renewal; writing it keeps the later lease.
             let mut own = a1.clone();
             own.external_id = Some("msg_1".into());
             let written = s.update(own).await.expect("owner's CAS still matches");
-            assert_eq!(
+            assert_near(
                 written.lease.as_ref().map(|l| l.expires_at_ms),
-                Some(NOW + 100)
+                NOW + 100_000,
             );
-            assert_eq!(
-                s.get(&id("ex_a1")).await.expect("get"),
-                Some(written.clone())
+            assert_same(
+                &s.get(&id("ex_a1")).await.expect("get").expect("present"),
+                &written,
             );
 
             // Once committed the record has no lease and is not renewed.
@@ -990,7 +1222,7 @@ mod tests {
                 .expect("executing -> committed");
             let done = s.update(done).await.expect("commit");
             assert_eq!(done.lease, None);
-            assert_eq!(s.renew_leases("a", NOW + 200).await.expect("renew"), 1);
+            assert_eq!(s.renew_leases("a", NOW + 200_000).await.expect("renew"), 1);
         })
         .await;
     }
@@ -1224,6 +1456,21 @@ mod tests {
                 Err(StoreError::Corrupt { id, .. }) => assert_eq!(id, "ex_bad"),
                 other => panic!("expected Corrupt, got {other:?}"),
             }
+            // A listing leaves the unreadable row out instead of failing whole.
+            s.claim(record("ex_good", "op", NOW + 100))
+                .await
+                .expect("claim");
+            let listed = s
+                .list(&ListFilter {
+                    limit: 10,
+                    ..ListFilter::default()
+                })
+                .await
+                .expect("list");
+            assert_eq!(
+                listed.iter().map(|r| r.id.0.as_str()).collect::<Vec<_>>(),
+                ["ex_good"]
+            );
         })
         .await;
     }

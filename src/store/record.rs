@@ -104,6 +104,41 @@ pub struct Record {
     /// retry differs in `ignore_json` fields. Never logged; deleted with the record.
     #[serde(default, with = "opt_b64", skip_serializing_if = "Option::is_none")]
     pub sent_body: Option<Vec<u8>>,
+    /// How long ago the last send began, by a shared store's clock (PostgreSQL's), as of
+    /// the moment this copy was read. Not stored in the record: the store fills it in on
+    /// every read, so instances whose clocks disagree still agree on a settle window.
+    /// `None` (redb, or a row from before the store kept it): use the record's timestamps.
+    #[serde(skip)]
+    pub send_age: ReadAge,
+}
+
+/// [`Record::send_age`]: a measurement taken by a read, not part of the record's value, so
+/// two copies of one record compare equal whatever their reads measured.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ReadAge(pub Option<SendAge>);
+
+impl PartialEq for ReadAge {
+    fn eq(&self, _: &ReadAge) -> bool {
+        true
+    }
+}
+
+/// The age of a record's last send on the store's clock, when it was read: together with
+/// this process's monotonic clock, an age that no wall-clock skew between instances moves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SendAge {
+    /// Milliseconds between the last move to `executing` and the read, on the store's clock.
+    pub age_ms: i64,
+    /// When the read happened, on this process's monotonic clock.
+    pub read_at: std::time::Instant,
+}
+
+impl SendAge {
+    /// The age now.
+    pub fn now_ms(&self) -> i64 {
+        let since = i64::try_from(self.read_at.elapsed().as_millis()).unwrap_or(i64::MAX);
+        self.age_ms.max(0).saturating_add(since)
+    }
 }
 
 /// Everything needed to create a record; the store assigns nothing but the version.
@@ -156,6 +191,7 @@ impl Record {
             note: None,
             history: Vec::new(),
             sent_body: None,
+            send_age: ReadAge(None),
         }
     }
 

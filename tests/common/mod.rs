@@ -367,3 +367,20 @@ upstreams:
         dir = dir.display()
     )
 }
+
+/// One trial of a fault test, as a line `scripts/faults.sh` collects into the fault table
+/// of docs/RELIABILITY.md: side effects beyond the expected ones (`duplicates`), calls
+/// whose result a client could not get afterwards (`lost`), and how long after the fault
+/// ended the proxy answered normally again (`recovered`; `None` where only a restart
+/// helps or there is nothing to recover from). Printed before the test's own assertions,
+/// so a failing trial still reports what it saw.
+pub fn report_fault(
+    fault: &str,
+    duplicates: usize,
+    lost: usize,
+    recovered: Option<Duration>,
+    note: &str,
+) {
+    let recovered = recovered.map_or("-".to_string(), |d| d.as_millis().to_string());
+    eprintln!("FAULT\t{fault}\t{duplicates}\t{lost}\t{recovered}\t{note}");
+}

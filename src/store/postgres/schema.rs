@@ -49,6 +49,16 @@ const MIGRATIONS: &[(i32, &str)] = &[
     CREATE INDEX operations_expires_idx ON {schema}.operations (expires_at_ms);
     "#,
     ),
+    (
+        3,
+        r#"
+    -- When the record last moved to `executing`, on the database's clock (issue 34): the
+    -- settle window of a not-found lookup is measured with it, so instances whose clocks
+    -- disagree agree on it. NULL on rows written before this step (their own timestamps
+    -- are used then).
+    ALTER TABLE {schema}.records ADD COLUMN sent_at_ms bigint;
+    "#,
+    ),
 ];
 
 /// The newest schema version this build knows.
@@ -98,6 +108,11 @@ pub(super) async fn migrate(client: &mut Client, schema: &str) -> StoreResult<()
     let q = quote(schema);
     let tx = client
         .transaction()
+        .await
+        .map_err(|e| db_error("begin migration", &e))?;
+    // Another instance may hold the migration lock for longer than the store's statement
+    // timeout (a long migration): this transaction waits for it.
+    tx.batch_execute("SET LOCAL statement_timeout = 0")
         .await
         .map_err(|e| db_error("begin migration", &e))?;
     // Serialises concurrent starts; released by COMMIT/ROLLBACK. Keyed by schema so

@@ -199,6 +199,20 @@ where
     }
 }
 
+/// A record for a listing: one that cannot be decoded is left out with a warning naming it
+/// (`records show` and the admin API still report it by id), so one bad record does not
+/// hide all the others from an operator.
+pub(super) fn listable(loaded: StoreResult<Record>) -> StoreResult<Option<Record>> {
+    match loaded {
+        Ok(r) => Ok(Some(r)),
+        Err(StoreError::Corrupt { id, reason }) => {
+            tracing::warn!(execution_id = %id, %reason, "listing skips an unreadable record");
+            Ok(None)
+        }
+        Err(e) => Err(e),
+    }
+}
+
 /// Ids in `code` after `after` (exclusive), in id order, lazily.
 fn ids_in_state<'t, T: ReadableTable<(u8, &'static str), ()>>(
     by_status: &'t T,
@@ -281,7 +295,12 @@ impl Snapshot {
             let by_status = self.txn.open_table(BY_STATUS).map_err(storage)?;
             for id in ids_in_state(&by_status, state.code(), after)? {
                 let id = id?;
-                let record = records.load(&id)?.ok_or_else(|| dangling("status", &id))?;
+                let loaded = records
+                    .load(&id)
+                    .and_then(|r| r.ok_or_else(|| dangling("status", &id)));
+                let Some(record) = listable(loaded)? else {
+                    continue;
+                };
                 if wanted(&record) {
                     out.push(record);
                     if out.len() >= filter.limit {
@@ -304,7 +323,12 @@ impl Snapshot {
                 if key_op != op {
                     break;
                 }
-                let record = records.load(id)?.ok_or_else(|| dangling("operation", id))?;
+                let loaded = records
+                    .load(id)
+                    .and_then(|r| r.ok_or_else(|| dangling("operation", id)));
+                let Some(record) = listable(loaded)? else {
+                    continue;
+                };
                 if wanted(&record) {
                     out.push(record);
                     if out.len() >= filter.limit {
@@ -320,7 +344,9 @@ impl Snapshot {
                 .map_err(storage)?;
             for entry in range {
                 let (id, place) = entry.map_err(storage)?;
-                let record = records.load_at(id.value(), place.value())?;
+                let Some(record) = listable(records.load_at(id.value(), place.value()))? else {
+                    continue;
+                };
                 if wanted(&record) {
                     out.push(record);
                     if out.len() >= filter.limit {

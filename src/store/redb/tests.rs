@@ -387,7 +387,10 @@ async fn a_file_in_the_old_layout_moves_to_the_new_one_when_opened() {
     drop(db);
 
     let store = RedbStore::open(&path).expect("opens the moved file");
-    assert_eq!(tables::table_sizes(&store.shared.db), [7, 7, 7, 4]);
+    assert_eq!(
+        tables::table_sizes(&store.shared.db().expect("open")),
+        [7, 7, 7, 4]
+    );
     for r in &expected {
         assert_eq!(store.get(&r.id).await.expect("get").as_ref(), Some(r));
     }
@@ -422,7 +425,10 @@ async fn a_file_in_the_old_layout_moves_to_the_new_one_when_opened() {
     let r = store.update(r).await.expect("update a moved record");
     assert_eq!(store.get(&r.id).await.expect("get"), Some(r));
     claimed(&store, record("ex_new", None, 50)).await;
-    assert_eq!(tables::table_sizes(&store.shared.db), [8, 8, 8, 4]);
+    assert_eq!(
+        tables::table_sizes(&store.shared.db().expect("open")),
+        [8, 8, 8, 4]
+    );
     assert_eq!(
         store.gc(1_000, 100).await.expect("gc"),
         6,
@@ -539,7 +545,10 @@ async fn delivered_records_have_no_status_entry_and_are_listed_from_the_records(
         insert(&store, r).await;
     }
     // The 4 executing records have status entries, the 8 delivered ones none.
-    assert_eq!(tables::table_sizes(&store.shared.db), [12, 4, 12, 6]);
+    assert_eq!(
+        tables::table_sizes(&store.shared.db().expect("open")),
+        [12, 4, 12, 6]
+    );
 
     let mut filter = ListFilter {
         status: Some(State::ResultDelivered),
@@ -579,7 +588,10 @@ async fn delivered_records_have_no_status_entry_and_are_listed_from_the_records(
 
     // gc takes the delivered records (expired) and leaves the executing ones.
     assert_eq!(store.gc(1_000, 100).await.expect("gc"), 8);
-    assert_eq!(tables::table_sizes(&store.shared.db), [4, 4, 4, 2]);
+    assert_eq!(
+        tables::table_sizes(&store.shared.db().expect("open")),
+        [4, 4, 4, 2]
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -639,7 +651,10 @@ async fn gc_deletes_only_expired_finished_records_and_their_index_entries() {
     .await;
     insert(&store, record("ex_young", Some("op"), 1_000)).await;
     insert(&store, record("ex_old_no_op", None, 5)).await;
-    assert_eq!(tables::table_sizes(&store.shared.db), [5, 5, 5, 4]);
+    assert_eq!(
+        tables::table_sizes(&store.shared.db().expect("open")),
+        [5, 5, 5, 4]
+    );
 
     assert_eq!(store.gc(20, 1).await.expect("gc"), 1, "limit is honoured");
     assert_eq!(store.gc(20, 100).await.expect("gc"), 2);
@@ -651,7 +666,10 @@ async fn gc_deletes_only_expired_finished_records_and_their_index_entries() {
     for kept in ["ex_running", "ex_young"] {
         assert!(store.get(&id(kept)).await.expect("get").is_some(), "{kept}");
     }
-    assert_eq!(tables::table_sizes(&store.shared.db), [2, 2, 2, 2]);
+    assert_eq!(
+        tables::table_sizes(&store.shared.db().expect("open")),
+        [2, 2, 2, 2]
+    );
     let by_op = store
         .list(&ListFilter {
             operation: Some("op".into()),
@@ -664,7 +682,7 @@ async fn gc_deletes_only_expired_finished_records_and_their_index_entries() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_failed_commit_fails_its_whole_batch_and_every_later_write() {
+async fn a_failed_commit_fails_its_batch_and_writes_resume_once_the_disk_takes_them() {
     let (_dir, store) = open_temp();
     let store = Arc::new(store);
     let kept = claimed(&store, record("ex_kept", None, 100)).await;
@@ -691,16 +709,30 @@ async fn a_failed_commit_fails_its_whole_batch_and_every_later_write() {
         assert_eq!(lost, None, "nothing of the failed batch is visible");
     }
 
+    // While the disk still refuses writes, every later write is refused too.
+    store.shared.test.probe_fails.store(true, Ordering::SeqCst);
     let err = store.update(kept.clone()).await.unwrap_err();
-    assert!(err.to_string().contains("store failed earlier"), "{err}");
+    assert!(err.to_string().contains("store write failed"), "{err}");
+    assert!(store.ready().await.is_err(), "not ready while writes fail");
+    std::thread::sleep(REOPEN_EVERY);
     assert!(store.gc(i64::MAX, 10).await.is_err());
     assert!(store.renew_leases("x", 1).await.is_err());
     assert!(store.claim(record("ex_new", None, 100)).await.is_err());
     // What was committed before stays readable.
-    assert_eq!(store.get(&kept.id).await.expect("get"), Some(kept));
+    assert_eq!(store.get(&kept.id).await.expect("get"), Some(kept.clone()));
 
-    let mut store = Arc::into_inner(store).expect("only owner");
-    assert!(store.compact().is_err(), "a failed store does not compact");
+    // Once the disk takes writes again the store is reopened and writes resume, without
+    // a restart; nothing of the failed batch came back.
+    store.shared.test.probe_fails.store(false, Ordering::SeqCst);
+    std::thread::sleep(REOPEN_EVERY);
+    let updated = store.update(kept.clone()).await.expect("writes resume");
+    assert_eq!(updated.version, kept.version + 1);
+    claimed(&store, record("ex_new", None, 100)).await;
+    assert!(store.ready().await.is_ok());
+    for i in 0..5 {
+        let lost = store.get(&id(&format!("ex_lost_{i}"))).await.expect("get");
+        assert_eq!(lost, None, "nothing of the failed batch is visible");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -798,7 +830,7 @@ fn a_killed_process_loses_no_acked_write() {
             assert_eq!(found.map(|r| r.version), Some(1), "{id} was acked but lost");
         }
     });
-    let [records, status, expiry, _] = tables::table_sizes(&store.shared.db);
+    let [records, status, expiry, _] = tables::table_sizes(&store.shared.db().expect("open"));
     assert!(records >= acked.len() as u64);
     assert_eq!(
         (records, records),
@@ -844,7 +876,10 @@ async fn operation_marks_merge_forward_survive_reopen_and_expire() {
         .await
         .expect("mark");
     // Marks are not records: listings and record tables do not see them.
-    assert_eq!(tables::table_sizes(&store.shared.db), [0, 0, 0, 0]);
+    assert_eq!(
+        tables::table_sizes(&store.shared.db().expect("open")),
+        [0, 0, 0, 0]
+    );
     drop(store);
 
     let store = RedbStore::open(&path).expect("reopens");
@@ -870,4 +905,47 @@ async fn operation_marks_merge_forward_survive_reopen_and_expire() {
     assert_eq!(store.gc(99, 10).await.expect("gc"), 0);
     assert_eq!(store.gc(100, 10).await.expect("gc"), 1);
     assert_eq!(store.operation("op_a").await.expect("read"), None);
+}
+
+/// One record whose bytes cannot be decoded is left out of a listing (with a warning
+/// naming it) instead of failing the whole page (issue 34: the admin listing was a 500).
+#[tokio::test]
+async fn a_listing_skips_an_unreadable_record() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("store.redb");
+    let store = RedbStore::open(&path).expect("opens");
+    claimed(&store, record("ex_a", None, 100)).await;
+    claimed(&store, record("ex_b", None, 100)).await;
+    drop(store);
+    {
+        let db = ::redb::Database::open(&path).expect("opens raw");
+        type Ids = ::redb::TableDefinition<'static, &'static str, u64>;
+        type Data = ::redb::TableDefinition<'static, u64, &'static [u8]>;
+        let txn = db.begin_write().expect("begins");
+        {
+            use ::redb::ReadableTable;
+            let ids = txn.open_table(Ids::new("record_ids")).expect("ids");
+            let place = ids.get("ex_a").expect("reads").expect("present").value();
+            let mut data = txn.open_table(Data::new("record_data")).expect("data");
+            data.insert(place, b"not json".as_slice())
+                .expect("overwrites");
+        }
+        txn.commit().expect("commits");
+    }
+    let store = RedbStore::open(&path).expect("opens again");
+    assert!(matches!(
+        store.get(&id("ex_a")).await,
+        Err(StoreError::Corrupt { .. })
+    ));
+    let listed = store
+        .list(&ListFilter {
+            limit: 10,
+            ..ListFilter::default()
+        })
+        .await
+        .expect("the listing still works");
+    assert_eq!(
+        listed.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(),
+        ["ex_b"]
+    );
 }

@@ -160,8 +160,19 @@ fn run(shared: &Shared, rx: &Receiver<Command>) {
 }
 
 fn commit_batch(shared: &Shared, batch: &mut Vec<Command>) {
-    if let Some(reason) = shared.failed.get() {
+    // One `stat` per batch: a store file deleted or replaced under us fails the store
+    // before this batch could go into a file nobody will open again.
+    if let Err(reason) = shared.health.check_file() {
         let reason = format!("store failed earlier: {reason}");
+        batch.drain(..).for_each(|c| c.refuse(&reason));
+        return;
+    }
+    // After a failed commit: reopen once the disk takes writes again, else refuse.
+    if !shared.try_reopen() {
+        let reason = shared.health.pending_failure().unwrap_or_default();
+        let reason = format!(
+            "store write failed: {reason}; writes resume once the store can be written again"
+        );
         batch.drain(..).for_each(|c| c.refuse(&reason));
         return;
     }
@@ -177,7 +188,7 @@ fn commit_batch(shared: &Shared, batch: &mut Vec<Command>) {
             shared.test.homes_woken.fetch_add(_woken, Ordering::SeqCst);
         }
         Err((reason, applied)) => {
-            let reason = shared.fail(reason);
+            let reason = shared.health.commit_failed(reason);
             applied.into_iter().for_each(|a| a.refuse(&reason));
             batch.drain(..).for_each(|c| c.refuse(&reason));
         }
@@ -191,8 +202,8 @@ fn write_batch(
     shared: &Shared,
     batch: &mut Vec<Command>,
 ) -> Result<Vec<Applied>, (String, Vec<Applied>)> {
-    let mut txn = shared
-        .db
+    let db = shared.db().map_err(|e| (reason(e), Vec::new()))?;
+    let mut txn = db
         .begin_write()
         .map_err(|e| (format!("cannot begin a write transaction: {e}"), Vec::new()))?;
     txn.set_durability(Durability::Immediate)
@@ -292,6 +303,8 @@ fn guarded<T>(fatal: &mut Option<String>, op: impl FnOnce() -> StoreResult<T>) -
 pub(super) struct TestHooks {
     /// The next commit returns an error instead of committing.
     pub(super) fail_next_commit: std::sync::atomic::AtomicBool,
+    /// While set, the disk "still refuses writes": no reopen after a failed commit.
+    pub(super) probe_fails: std::sync::atomic::AtomicBool,
     /// While set, the writer holds the first command of its next batch and lets the others
     /// queue up behind it, so a test can choose what shares one batch.
     pub(super) paused: std::sync::atomic::AtomicBool,

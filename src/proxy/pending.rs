@@ -1,0 +1,87 @@
+//! Outcomes the store refused: an attempt's end (its committed answer, `failed_before_commit`
+//! or `outcome_unknown`) whose write failed with a storage error (PostgreSQL unreachable,
+//! redb's disk full). The record would otherwise stay `executing` under a lease its live
+//! owner keeps renewing, and every retry would be told `in-flight` for as long as the process
+//! runs (issue 34). Instead the answer is kept in memory and written again, with backoff,
+//! until the store takes it: after an outage the retry replays the real answer within a
+//! moment of the store coming back.
+//!
+//! If the version moved meanwhile (another instance took the lease over, an operator
+//! decided, or our own earlier write took effect although its acknowledgement was lost),
+//! the stored decision stands, except that an `outcome_unknown` record is resolved with the
+//! committed answer we hold, as a late answer after a takeover is. If the process stops
+//! before the write lands, the lease runs out and the record becomes `outcome_unknown`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::policy::state::{Event, State};
+use crate::store::{now_ms, Record, Store, StoreError};
+
+const FIRST_PAUSE: Duration = Duration::from_millis(100);
+const MAX_PAUSE: Duration = Duration::from_secs(1);
+
+/// Write `record` (the attempt's outcome, already applied to it) in the background until
+/// the store accepts it or a stored decision makes it moot.
+pub fn keep_writing(store: Arc<dyn Store>, record: Record) {
+    tracing::error!(execution_id = %record.id, state = %record.state(), "the attempt's outcome could not be stored; it is kept and written again until the store takes it");
+    tokio::spawn(write_until_stored(store, record));
+}
+
+async fn write_until_stored(store: Arc<dyn Store>, mut record: Record) {
+    let id = record.id.clone();
+    let mut pause = FIRST_PAUSE;
+    let mut tries = 1u32;
+    loop {
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(MAX_PAUSE);
+        tries += 1;
+        match store.update(record.clone()).await {
+            Ok(stored) => {
+                tracing::warn!(execution_id = %id, state = %stored.state(), tries, "the attempt's outcome is stored now");
+                return;
+            }
+            Err(StoreError::Conflict { .. }) => match store.get(&id).await {
+                Ok(Some(current)) => match resolve_with(current, &record) {
+                    Some(next) => record = next,
+                    None => return,
+                },
+                Ok(None) => {
+                    tracing::error!(execution_id = %id, "the record vanished while its outcome waited to be stored");
+                    return;
+                }
+                Err(e) => tracing::debug!(execution_id = %id, error = %e, "store still failing"),
+            },
+            Err(StoreError::NotFound(_)) => {
+                tracing::error!(execution_id = %id, "the record vanished while its outcome waited to be stored");
+                return;
+            }
+            Err(e) => tracing::debug!(execution_id = %id, error = %e, tries, "store still failing"),
+        }
+    }
+}
+
+/// The version moved: what to write instead, if anything. Our own write may have taken
+/// effect (same state stored: done); an `outcome_unknown` is resolved with a committed answer
+/// we hold; any other decision stands.
+fn resolve_with(current: Record, ours: &Record) -> Option<Record> {
+    let id = current.id.clone();
+    if current.state() == ours.state() && current.attempts == ours.attempts {
+        tracing::warn!(execution_id = %id, state = %current.state(), "the attempt's outcome is stored now");
+        return None;
+    }
+    if current.state() == State::OutcomeUnknown && ours.state() == State::Committed {
+        let mut r = current;
+        r.response = ours.response.clone();
+        r.external_id = ours.external_id.clone();
+        let note = Some(
+            "late answer from the original attempt, kept while the store was failing".to_string(),
+        );
+        if r.apply(Event::ResolveCommitted, now_ms(), note).is_ok() {
+            return Some(r);
+        }
+        return None;
+    }
+    tracing::warn!(execution_id = %id, state = %current.state(), "another decision was stored while this attempt's outcome waited; it stands");
+    None
+}
