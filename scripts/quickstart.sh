@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs the README's quick start as a new user would, from the repository root: the fake
-# downstream, `serve` on the default config, one call, one replay, stop. CI runs it
+# downstream, `serve` on the default config, one call, one replay, the agent examples
+# (examples/agent_tool_loop.py, OpenAI and Anthropic formats), stop. CI runs it
 # (.ci/run), so the first command a new user types keeps working. Every command below is
 # checked to appear verbatim in README.md first.
 #
@@ -58,6 +59,11 @@ second=$(eval "$CALL")
 echo "$first" | head -1 | grep -q ' 201 ' || { echo "[quickstart] first call: $first" >&2; exit 1; }
 echo "$second" | grep -qi '^idempotent-replayed: true' || { echo "[quickstart] second call was not a replay: $second" >&2; exit 1; }
 [ "$(echo "$first" | tail -1)" = "$(echo "$second" | tail -1)" ] || { echo "[quickstart] replayed body differs" >&2; exit 1; }
+# The agent integration examples (examples/agent_tool_loop.py): a scripted model's tool
+# calls in the OpenAI and the Anthropic formats, each retried after a simulated crash,
+# one side effect per tool call.
+python3 examples/agent_tool_loop.py --format openai
+python3 examples/agent_tool_loop.py --format anthropic
 if grep -q WARN "$WORK/serve.log"; then
   echo "[quickstart] serve warned on the quick start:" >&2; grep WARN "$WORK/serve.log" >&2; exit 1
 fi

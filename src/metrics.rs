@@ -32,6 +32,11 @@ pub struct Metrics {
     pub outcome_unknown: Family<RouteLabels, Counter>,
     pub reconciliations: Family<ResultLabels, Counter>,
     pub unprotected: Family<RouteLabels, Counter>,
+    /// Side-effect calls answered without sending, by why (`key_mismatch`, `in_flight`,
+    /// `approval_required`).
+    pub refusals: Family<ResultLabels, Counter>,
+    /// Operator decisions on calls waiting for approval (`approved`, `rejected`).
+    pub approvals: Family<ResultLabels, Counter>,
     pub upstream_duration: HistogramFamily,
     /// Client connections of the proxy listener served by hyper (`wire::fast` hands them
     /// over), not labelled.
@@ -58,6 +63,8 @@ impl Metrics {
         let outcome_unknown = Family::<RouteLabels, Counter>::default();
         let reconciliations = Family::<ResultLabels, Counter>::default();
         let unprotected = Family::<RouteLabels, Counter>::default();
+        let refusals = Family::<ResultLabels, Counter>::default();
+        let approvals = Family::<ResultLabels, Counter>::default();
         let upstream_duration: HistogramFamily = Family::new_with_constructor(latency_histogram);
         let hyper_connections = Counter::default();
         registry.register(
@@ -91,6 +98,16 @@ impl Metrics {
             unprotected.clone(),
         );
         registry.register(
+            "idemproxy_refusals",
+            "Side-effect calls answered without sending, by result: key_mismatch, in_flight, approval_required",
+            refusals.clone(),
+        );
+        registry.register(
+            "idemproxy_approvals",
+            "Operator decisions on calls waiting for approval, by result: approved, rejected",
+            approvals.clone(),
+        );
+        registry.register(
             "idemproxy_upstream_duration_seconds",
             "Time from sending a side effect downstream to its complete answer",
             upstream_duration.clone(),
@@ -108,9 +125,27 @@ impl Metrics {
             outcome_unknown,
             reconciliations,
             unprotected,
+            refusals,
+            approvals,
             upstream_duration,
             hyper_connections,
         }
+    }
+
+    /// Count one `result` of `family` for a route.
+    pub fn count(
+        family: &Family<ResultLabels, Counter>,
+        upstream: &str,
+        route: &str,
+        result: &str,
+    ) {
+        family
+            .get_or_create(&ResultLabels {
+                upstream: upstream.to_string(),
+                route: route.to_string(),
+                result: result.to_string(),
+            })
+            .inc();
     }
 
     pub fn labels(upstream: &str, route: &str) -> RouteLabels {

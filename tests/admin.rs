@@ -806,6 +806,45 @@ async fn metrics_count_a_replay() {
     }
 }
 
+/// Refusals (key mismatch, approval required) and approvals are counted by route.
+#[tokio::test(flavor = "multi_thread")]
+async fn metrics_count_refusals_and_approvals() {
+    let (_dir, _ds, proxy) = setup().await;
+    let c = client();
+    let send = |body: &'static str| {
+        let c = c.clone();
+        let url = proxy.url("/mail/send");
+        async move { post(&c, &url, &[TENANT, ("idempotency-key", "k-r")], body).await }
+    };
+    assert_eq!(send(r#"{"to":"a"}"#).await.status, StatusCode::CREATED);
+    assert_eq!(
+        send(r#"{"to":"b"}"#).await.status,
+        StatusCode::UNPROCESSABLE_ENTITY
+    );
+    let body = json!({ "to": "acct_B", "amount": 5 });
+    let (id, hash) = approval_of(&pay(&c, &proxy, "pay", "k-ap", body.clone()).await);
+    approval_of(&pay(&c, &proxy, "pay", "k-ap", body).await);
+    let ok = admin_post(
+        &c,
+        &proxy,
+        &format!("/v1/executions/{id}/approve"),
+        json!({ "args_hash": hash }),
+    )
+    .await;
+    assert_eq!(ok.status, StatusCode::OK, "{ok:?}");
+    let text = String::from_utf8_lossy(&admin_get(&c, &proxy, "/metrics").await.body).to_string();
+    for line in [
+        "idemproxy_refusals_total{upstream=\"mail\",route=\"send_email\",result=\"key_mismatch\"} 1",
+        "idemproxy_refusals_total{upstream=\"pay\",route=\"transfer\",result=\"approval_required\"} 2",
+        "idemproxy_approvals_total{upstream=\"pay\",route=\"transfer\",result=\"approved\"} 1",
+    ] {
+        assert!(
+            text.lines().any(|l| l == line),
+            "missing {line:?} in\n{text}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn no_secret_reaches_a_log_line() {
     const BODY_SECRET: &str = "sk_live_BODYSECRET_4242";

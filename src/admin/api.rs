@@ -17,6 +17,7 @@ use super::actions::{self, ResultSpec};
 use super::error::AdminError;
 use super::{console, view, Admin};
 use crate::config::Scope;
+use crate::metrics::Metrics;
 use crate::policy::identity::ExecutionId;
 use crate::policy::state::State;
 use crate::store::{ListFilter, Record};
@@ -206,6 +207,8 @@ async fn dispatch(
             let rt = admin.proxy.runtime();
             let ttl = |r: &Record| approval_ttl(&rt.config, r);
             let r = actions::approve(store, &id, &body.args_hash, &by, ttl).await?;
+            let metrics = &admin.proxy.metrics;
+            Metrics::count(&metrics.approvals, &r.upstream, &r.route, "approved");
             Ok(json(StatusCode::OK, &view::Detail::of(&r)))
         }
         Endpoint::Reject(id) => {
@@ -216,6 +219,8 @@ async fn dispatch(
                 .map(|r| operator_text("reason", r, 500))
                 .transpose()?;
             let r = actions::reject(store, &id, &by, reason.as_deref()).await?;
+            let metrics = &admin.proxy.metrics;
+            Metrics::count(&metrics.approvals, &r.upstream, &r.route, "rejected");
             Ok(json(StatusCode::OK, &view::Detail::of(&r)))
         }
         Endpoint::Resolve(id) => {

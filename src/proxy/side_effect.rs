@@ -595,6 +595,7 @@ impl Call<'_> {
 
     fn decide_inner(&self, r: &Record) -> Decision {
         if r.args_hash != self.args {
+            self.count_refusal("key_mismatch");
             return Decision::Respond(
                 Problem::new(
                     Kind::KeyMismatch,
@@ -635,6 +636,7 @@ impl Call<'_> {
     }
 
     fn in_flight(&self) -> Response<ProxyBody> {
+        self.count_refusal("in_flight");
         Problem::new(
             Kind::InFlight,
             "an attempt with this key is executing; retry later to get its result",
@@ -725,6 +727,7 @@ impl Call<'_> {
     }
 
     fn approval_required(&self, r: &Record) -> Response<ProxyBody> {
+        self.count_refusal("approval_required");
         let detail = match r.note.as_deref() {
             Some(why) => {
                 format!("this call needs an operator's approval of these exact arguments ({why})")
@@ -884,6 +887,17 @@ impl Call<'_> {
                 ))
             }
         }
+    }
+
+    /// A call answered without sending (`idemproxy_refusals_total{result}`).
+    fn count_refusal(&self, why: &str) {
+        let t = self.target;
+        Metrics::count(
+            &self.metrics().refusals,
+            &t.upstream.name,
+            &t.route.name,
+            why,
+        );
     }
 
     fn count_prevented(&self) {
