@@ -179,6 +179,33 @@ fn an_idle_keep_alive_connection_is_closed() {
     }
 }
 
+/// An HTTP/2 connection whose peer goes silent (it stops acknowledging the server's
+/// pings, as a vanished client would) is closed: the proxy pings after
+/// `timeouts.client_header` without a frame and gives up as long after.
+#[test]
+fn a_silent_http2_peer_is_closed() {
+    for (mode, env) in MODES {
+        let t = setup(env);
+        let mut s = open(t.proxy.addr);
+        // The client preface and an empty SETTINGS frame; then nothing, not even the
+        // SETTINGS acknowledgement or a PING answer.
+        s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+            .expect("write");
+        let got = until_closed(&mut s, mode);
+        // Frames are 9-byte headers; a PING (type 6) was sent before the connection ended.
+        let mut at = 0;
+        let mut pinged = false;
+        while at + 9 <= got.len() {
+            let len = usize::from(got[at]) << 16
+                | usize::from(got[at + 1]) << 8
+                | usize::from(got[at + 2]);
+            pinged |= got[at + 3] == 6;
+            at += 9 + len;
+        }
+        assert!(pinged, "{mode}: no PING before the close: {got:?}");
+    }
+}
+
 #[test]
 fn a_request_head_that_stops_is_closed() {
     for (mode, env) in MODES {

@@ -187,7 +187,14 @@ fn http_builder(max_header_bytes: usize, head_timeout: Duration) -> auto::Builde
         .header_read_timeout(head_timeout)
         .max_buf_size(max_header_bytes.max(DEFAULT_MAX_HEADER_BYTES))
         .timer(hyper_util::rt::TokioTimer::new());
-    builder.http2().timer(hyper_util::rt::TokioTimer::new());
+    // HTTP/2 has no request head to time: a connection whose peer has gone silent is found
+    // by a PING after `timeouts.client_header` without a frame, and closed when that PING
+    // is not answered as long after (a vanished client must not hold a descriptor).
+    builder
+        .http2()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .keep_alive_interval(Some(head_timeout))
+        .keep_alive_timeout(head_timeout);
     builder
 }
 
