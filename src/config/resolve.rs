@@ -23,9 +23,9 @@ pub fn from_yaml(text: &str, file: &Path) -> Result<Config, ConfigError> {
         ConfigError {
             file: file.to_path_buf(),
             issues: vec![Issue {
+                message: strip_path(&strip_location(&inner.to_string()), &path),
                 path: if path == "." { String::new() } else { path },
                 line,
-                message: strip_location(&inner.to_string()),
             }],
         }
     })?;
@@ -40,6 +40,17 @@ pub fn from_yaml(text: &str, file: &Path) -> Result<Config, ConfigError> {
             file: file.to_path_buf(),
             issues: v.issues,
         }),
+    }
+}
+
+/// serde_yaml_ng starts some messages with the path it was at (`upstreams[0].routes[0]:
+/// unknown field ...`); the issue prints the path already, once.
+fn strip_path(msg: &str, path: &str) -> String {
+    match msg.split_once(": ") {
+        Some((at, rest)) if !at.is_empty() && !at.contains(' ') && path.starts_with(at) => {
+            rest.to_string()
+        }
+        _ => msg.to_string(),
     }
 }
 

@@ -18,6 +18,8 @@ fn unknown_key_names_file_path_and_line() {
         "{text}"
     );
     assert!(text.contains("unknown field `colour`"), "{text}");
+    // The path is printed once, not again by the YAML parser's own message.
+    assert_eq!(text.matches("upstreams[0].routes[0]").count(), 1, "{text}");
 }
 
 #[test]
