@@ -69,10 +69,11 @@ async fn approving_in_the_console_lets_the_retry_execute_once() {
     // What an operator would find: two held payments, one unknown outcome, some traffic.
     let transfer = json!({ "to": "acct_A-1042", "amount": 50, "currency": "EUR" }).to_string();
     let pay_url = proxy.url("/pay/send");
+    let op = ("x-operation-id", "op_console");
     let held = post(
         &c,
         &pay_url,
-        &[TENANT, ("idempotency-key", "k-console")],
+        &[TENANT, ("idempotency-key", "k-console"), op],
         &transfer,
     )
     .await;
@@ -85,7 +86,7 @@ async fn approving_in_the_console_lets_the_retry_execute_once() {
     let r = post(
         &c,
         &pay_url,
-        &[TENANT, ("idempotency-key", "k-console-2")],
+        &[TENANT, ("idempotency-key", "k-console-2"), op],
         &other,
     )
     .await;
@@ -98,15 +99,17 @@ async fn approving_in_the_console_lets_the_retry_execute_once() {
     )
     .await;
     assert_eq!(r.header("idempotency-status"), Some("outcome_unknown"));
+    let mut mail_id = String::new();
     for _ in 0..2 {
         let r = post(
             &c,
             &proxy.url("/mail/send"),
-            &[TENANT, ("idempotency-key", "k-mail")],
+            &[TENANT, ("idempotency-key", "k-mail"), op],
             r#"{"to":"a@example.com"}"#,
         )
         .await;
         assert_eq!(r.status, StatusCode::CREATED);
+        mail_id = r.header("idempotency-execution-id").expect("id").to_string();
     }
     assert_eq!(ds.commits_for(&id), 0);
 
@@ -122,6 +125,8 @@ async fn approving_in_the_console_lets_the_retry_execute_once() {
         .env("ADMIN_TOKEN", ADMIN_TOKEN)
         .env("EXECUTION_ID", &id)
         .env("EXPECT_PREVIEW", "acct_A-1042")
+        .env("OPERATION_ID", "op_console")
+        .env("ANSWERED_ID", &mail_id)
         .env("CHROMIUM", CHROMIUM)
         .env("SCREENSHOT", &screenshot)
         .kill_on_drop(true)

@@ -377,6 +377,8 @@ pub async fn operation_status(
         .await?;
     let truncated = records.len() > limit;
     records.truncate(limit);
+    // The operation's timeline: calls in the order they were made.
+    records.sort_by(|a, b| (a.created_at_ms, &a.id).cmp(&(b.created_at_ms, &b.id)));
     if let Some(m) = mark.clone() {
         if m.state == OperationState::Cancelled && records.iter().any(|r| r.state().has_result()) {
             mark = Some(after_side_effect(store, m).await?);

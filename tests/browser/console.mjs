@@ -4,7 +4,9 @@
 // and afterwards checks that its retry executes exactly once.
 //
 // Environment: ADMIN_URL, ADMIN_TOKEN, EXECUTION_ID, EXPECT_PREVIEW (text the card must
-// show), CHROMIUM (default /usr/bin/chromium), SCREENSHOT (optional PNG path).
+// show), OPERATION_ID (the calls' operation, for the timeline), ANSWERED_ID (a committed
+// call, for its stored answer), CHROMIUM (default /usr/bin/chromium), SCREENSHOT (optional
+// PNG path).
 // Exits non-zero, with the reason, on any failure; a missing browser is a failure.
 import { existsSync, mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
@@ -82,6 +84,31 @@ try {
   await page.waitForSelector(`#detail .state.approved`);
   const detail = await page.locator("#detail").innerText();
   if (!detail.includes("by console-test")) throw new Error(`approval author not shown: ${detail}`);
+
+  // A committed call's page shows its stored answer decoded: headers as a table, the
+  // JSON body pretty-printed.
+  const answered = need("ANSWERED_ID");
+  await page.fill("#search-id", answered);
+  await page.click("#search-form button[type=submit]");
+  await page.waitForSelector(`#detail article[data-id="${answered}"] pre.body.json`);
+  const body = await page.locator("#detail pre.body.json").innerText();
+  if (!body.includes('\n  "') || !body.includes('"object": "message"')) {
+    throw new Error(`stored answer not pretty-printed JSON: ${body}`);
+  }
+  if (!(await page.locator("#detail table.headers th:has-text('content-type')").count())) {
+    throw new Error("stored answer headers not shown as a table");
+  }
+
+  // The operation's timeline lists its calls in the order they were made; a click opens one.
+  await page.fill("#timeline-op", need("OPERATION_ID"));
+  await page.click("#timeline-form button[type=submit]");
+  await page.waitForSelector("#timeline-result table.timeline tbody tr");
+  const order = await page.locator("#timeline-result tbody tr").evaluateAll((rows) => rows.map((r) => r.dataset.id));
+  if (order.length !== 3 || order[0] !== executionId || order[2] !== answered) {
+    throw new Error(`timeline not in call order: ${order}`);
+  }
+  await page.locator(`#timeline-result tr[data-id="${answered}"] button`).click();
+  await page.waitForSelector(`#detail article[data-id="${answered}"]`);
 
   if (problems.length) throw new Error(problems.join("\n"));
   console.log(`console test passed: approved ${executionId} by clicking`);

@@ -273,10 +273,57 @@ function detailView(r) {
   const card = el("article", { class: "card", "data-id": r.execution_id },
     el("h3", {}, r.execution_id), dl,
     r.preview ? [el("h4", {}, "Preview"), previewList(r.preview)] : null,
+    r.response ? [el("h4", {}, "Stored answer"), answerView(r.response)] : null,
     el("h4", {}, "History"), history);
   if (r.state === "awaiting_approval") card.append(approvalCard(r).querySelector(".actions"));
   if (r.state === "outcome_unknown") card.append(unknownCard(r).querySelector(".actions"));
   return card;
+}
+
+// The stored answer as an operator reads it: status, headers as a table, the body
+// decoded (JSON pretty-printed, text as is, anything else its size and a hex preview).
+function answerView(resp) {
+  const headers = el("table", { class: "headers" },
+    el("tbody", {}, resp.headers.map(([k, v]) => el("tr", {}, el("th", {}, k), el("td", {}, v)))));
+  let body;
+  if (resp.body_encoding === "json") {
+    body = el("pre", { class: "body json" }, JSON.stringify(resp.body, null, 2));
+  } else if (resp.body_encoding === "text") {
+    body = el("pre", { class: "body text" }, resp.body);
+  } else {
+    const bytes = Uint8Array.from(atob(resp.body), (c) => c.charCodeAt(0));
+    const hex = [...bytes.slice(0, 64)].map((b) => b.toString(16).padStart(2, "0")).join(" ");
+    body = el("p", { class: "body binary" },
+      `${bytes.length} bytes of binary data: `, el("code", {}, hex + (bytes.length > 64 ? " …" : "")));
+  }
+  return el("div", { class: "answer" }, el("p", {}, `HTTP ${resp.status}`), headers, body);
+}
+
+async function timeline(op) {
+  const out = $("timeline-result");
+  try {
+    const t = await api("GET", `/v1/operations/${encodeURIComponent(op)}`);
+    if (!t.executions.length) {
+      out.replaceChildren(el("p", { class: "muted" }, `No calls of operation ${op}.`));
+      return;
+    }
+    const rows = t.executions.map((r) => {
+      const open = el("button", { type: "button", class: "link" }, r.execution_id);
+      open.addEventListener("click", () => { $("search-id").value = r.execution_id; search(r.execution_id); });
+      return el("tr", { "data-id": r.execution_id },
+        el("td", {}, when(r.created_at_ms)), el("td", {}, `${r.upstream} / ${r.route}`),
+        el("td", {}, el("span", { class: `state ${r.state}` }, r.state.replaceAll("_", " "))),
+        el("td", {}, r.response_status ?? "—"), el("td", {}, open));
+    });
+    out.replaceChildren(
+      el("p", {}, `Operation ${op}: ${t.state.replaceAll("_", " ")}${t.truncated ? " (first calls only)" : ""}`),
+      el("table", { class: "timeline" },
+        el("thead", {}, el("tr", {}, el("th", {}, "When"), el("th", {}, "Route"), el("th", {}, "State"),
+          el("th", {}, "Answer"), el("th", {}, "Execution"))),
+        el("tbody", {}, rows)));
+  } catch (err) {
+    failed("The timeline", err);
+  }
 }
 
 async function search(id) {
@@ -373,6 +420,10 @@ document.addEventListener("DOMContentLoaded", () => {
   $("search-form").addEventListener("submit", (ev) => {
     ev.preventDefault();
     search($("search-id").value.trim());
+  });
+  $("timeline-form").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    timeline($("timeline-op").value.trim());
   });
   $("cancel-form").addEventListener("submit", (ev) => {
     ev.preventDefault();
