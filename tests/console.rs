@@ -109,7 +109,10 @@ async fn approving_in_the_console_lets_the_retry_execute_once() {
         )
         .await;
         assert_eq!(r.status, StatusCode::CREATED);
-        mail_id = r.header("idempotency-execution-id").expect("id").to_string();
+        mail_id = r
+            .header("idempotency-execution-id")
+            .expect("id")
+            .to_string();
     }
     assert_eq!(ds.commits_for(&id), 0);
 

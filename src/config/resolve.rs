@@ -16,19 +16,22 @@ use crate::policy::fingerprint::{validate_pointer, FingerprintSpec};
 /// Parse and validate YAML text; `file` is only used in messages.
 pub fn from_yaml(text: &str, file: &Path) -> Result<Config, ConfigError> {
     let de = serde_yaml_ng::Deserializer::from_str(text);
-    let raw: RawConfig = serde_path_to_error::deserialize(de).map_err(|e| {
-        let path = e.path().to_string();
-        let inner = e.into_inner();
-        let line = inner.location().map(|l| l.line());
-        ConfigError {
-            file: file.to_path_buf(),
-            issues: vec![Issue {
+    let raw: RawConfig = match serde_path_to_error::deserialize(de) {
+        Ok(raw) => raw,
+        Err(e) => {
+            let path = e.path().to_string();
+            let inner = e.into_inner();
+            let first = Issue {
                 message: strip_path(&strip_location(&inner.to_string()), &path),
                 path: if path == "." { String::new() } else { path },
-                line,
-            }],
+                line: inner.location().map(|l| l.line()),
+            };
+            return Err(ConfigError {
+                file: file.to_path_buf(),
+                issues: more_unknown_fields(text, first),
+            });
         }
-    })?;
+    };
     let mut v = Validator {
         issues: Vec::new(),
         base_dir: file.parent().map(Path::to_path_buf).unwrap_or_default(),
@@ -40,6 +43,85 @@ pub fn from_yaml(text: &str, file: &Path) -> Result<Config, ConfigError> {
             file: file.to_path_buf(),
             issues: v.issues,
         }),
+    }
+}
+
+/// Every unknown field at once, not one per run of `check`: while the error is an unknown
+/// field, that field is taken out of the document and it is read again. Later fields get
+/// their line from the text when their name stands on exactly one line.
+fn more_unknown_fields(text: &str, first: Issue) -> Vec<Issue> {
+    let mut issues = vec![first];
+    let Ok(mut doc) = serde_yaml_ng::from_str::<serde_yaml_ng::Value>(text) else {
+        return issues;
+    };
+    for _ in 0..100 {
+        let last = issues.last().expect("one at least");
+        if !last.message.starts_with("unknown field") || !remove_at(&mut doc, &last.path) {
+            break;
+        }
+        match serde_path_to_error::deserialize::<_, RawConfig>(doc.clone()) {
+            Ok(_) => break,
+            Err(e) => {
+                let path = e.path().to_string();
+                let message = strip_path(&strip_location(&e.into_inner().to_string()), &path);
+                if !message.starts_with("unknown field") {
+                    break;
+                }
+                let field = path.rsplit('.').next().unwrap_or_default();
+                issues.push(Issue {
+                    line: line_of(text, field),
+                    path,
+                    message,
+                });
+            }
+        }
+    }
+    issues
+}
+
+/// Takes the field at `path` (`upstreams[0].routes[1].flavour`) out of `doc`.
+fn remove_at(doc: &mut serde_yaml_ng::Value, path: &str) -> bool {
+    let mut node = doc;
+    let steps: Vec<&str> = path.split('.').collect();
+    let Some((field, parents)) = steps.split_last() else {
+        return false;
+    };
+    for step in parents {
+        let (name, index) = match step.split_once('[') {
+            Some((name, rest)) => (
+                name,
+                rest.strip_suffix(']').and_then(|i| i.parse::<usize>().ok()),
+            ),
+            None => (*step, None),
+        };
+        let Some(next) = node.get_mut(name) else {
+            return false;
+        };
+        node = match index {
+            Some(i) => match next.get_mut(i) {
+                Some(n) => n,
+                None => return false,
+            },
+            None => next,
+        };
+    }
+    node.as_mapping_mut()
+        .and_then(|m| m.remove(*field))
+        .is_some()
+}
+
+/// The 1-based line where `field:` is written, when it is written on exactly one line.
+fn line_of(text: &str, field: &str) -> Option<usize> {
+    let is_key = |line: &str| {
+        let t = line.trim_start().trim_start_matches("- ");
+        t.starts_with(&format!("{field}:"))
+            || line.contains(&format!("{{ {field}:"))
+            || line.contains(&format!(", {field}:"))
+    };
+    let mut hits = text.lines().enumerate().filter(|(_, l)| is_key(l));
+    match (hits.next(), hits.next()) {
+        (Some((i, _)), None) => Some(i + 1),
+        _ => None,
     }
 }
 

@@ -23,6 +23,27 @@ fn unknown_key_names_file_path_and_line() {
 }
 
 #[test]
+fn every_unknown_field_is_reported_at_once() {
+    let text = errors(
+        "listen: 127.0.0.1:1\ncolour: blue\nupstreams:\n  - name: mail\n    url: http://127.0.0.1:1\n    shape: round\n    routes:\n      - { name: a, match: { method: POST, path: /a }, flavour: x }\n",
+    );
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 3, "{text}");
+    assert!(
+        lines[0].starts_with("cfg.yaml:2: colour: unknown field `colour`"),
+        "{text}"
+    );
+    assert!(
+        lines[1].starts_with("cfg.yaml:6: upstreams[0].shape: unknown field `shape`"),
+        "{text}"
+    );
+    assert!(
+        lines[2].starts_with("cfg.yaml:8: upstreams[0].routes[0].flavour: unknown field `flavour`"),
+        "{text}"
+    );
+}
+
+#[test]
 fn bad_values_are_all_reported_with_paths() {
     let text = errors(
         "upstreams:\n  - name: mail\n    url: ftp://x\n  - name: pay\n    url: http://127.0.0.1:1\n    routes:\n      - name: a\n        match: { method: POST, path: /a }\n        on_5xx: maybe\n        timeout: soon\n",
