@@ -31,6 +31,8 @@ pub struct Metrics {
     pub duplicates_prevented: Family<RouteLabels, Counter>,
     pub outcome_unknown: Family<RouteLabels, Counter>,
     pub reconciliations: Family<ResultLabels, Counter>,
+    /// Webhook deliveries by result (SPEC section 9.1).
+    pub webhooks: Family<ResultLabels, Counter>,
     pub unprotected: Family<RouteLabels, Counter>,
     pub upstream_duration: HistogramFamily,
     /// Client connections of the proxy listener served by hyper (`wire::fast` hands them
@@ -57,6 +59,7 @@ impl Metrics {
         let duplicates_prevented = Family::<RouteLabels, Counter>::default();
         let outcome_unknown = Family::<RouteLabels, Counter>::default();
         let reconciliations = Family::<ResultLabels, Counter>::default();
+        let webhooks = Family::<ResultLabels, Counter>::default();
         let unprotected = Family::<RouteLabels, Counter>::default();
         let upstream_duration: HistogramFamily = Family::new_with_constructor(latency_histogram);
         let hyper_connections = Counter::default();
@@ -86,6 +89,11 @@ impl Metrics {
             reconciliations.clone(),
         );
         registry.register(
+            "idemproxy_webhooks",
+            "Webhook deliveries by result: forwarded, replayed, signature_rejected, correlated, uncorrelated",
+            webhooks.clone(),
+        );
+        registry.register(
             "idemproxy_unprotected",
             "Side-effect requests forwarded without a key (key_required: false)",
             unprotected.clone(),
@@ -107,6 +115,7 @@ impl Metrics {
             duplicates_prevented,
             outcome_unknown,
             reconciliations,
+            webhooks,
             unprotected,
             upstream_duration,
             hyper_connections,
@@ -118,6 +127,16 @@ impl Metrics {
             upstream: upstream.to_string(),
             route: route.to_string(),
         }
+    }
+
+    pub fn webhook(&self, upstream: &str, route: &str, result: &str) {
+        self.webhooks
+            .get_or_create(&ResultLabels {
+                upstream: upstream.to_string(),
+                route: route.to_string(),
+                result: result.to_string(),
+            })
+            .inc();
     }
 
     pub fn reconciled(&self, upstream: &str, route: &str, result: &str) {

@@ -71,6 +71,8 @@ pub struct Detail<'a> {
     pub expires_at_ms: i64,
     pub response: Option<ResponseView>,
     pub history: &'a [HistoryEntry],
+    /// Webhook events correlated to the call (SPEC section 9.1).
+    pub events: &'a [crate::store::record::WebhookEvent],
 }
 
 impl<'a> Detail<'a> {
@@ -87,6 +89,7 @@ impl<'a> Detail<'a> {
             expires_at_ms: r.expires_at_ms,
             response: r.response.as_ref().map(ResponseView::of),
             history: &r.history,
+            events: &r.events,
         }
     }
 }

@@ -8,3 +8,4 @@ pub mod identity;
 pub mod path;
 pub mod reconcile;
 pub mod state;
+pub mod webhook;

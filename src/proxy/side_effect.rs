@@ -55,6 +55,27 @@ pub struct Admitted {
     raw: RawDigest,
 }
 
+impl Admitted {
+    /// A request whose identity a sibling lifecycle resolved its own way (a webhook
+    /// delivery: the event id, scoped to the route), to run under [`run`] like any call.
+    pub(super) fn new(
+        parts: Parts,
+        body: &Bytes,
+        id: ExecutionId,
+        tenant: TenantScope,
+        raw: RawDigest,
+    ) -> Admitted {
+        let (parts, body) = detach(parts, body);
+        Admitted {
+            parts,
+            body,
+            id,
+            tenant,
+            raw,
+        }
+    }
+}
+
 /// What [`replay_raw`] derived of a keyed request it found no answer in memory for: its key
 /// and raw digest, handed on to [`admit`] so that they are not derived twice.
 pub struct Looked {
@@ -358,7 +379,7 @@ pub async fn run(
 
 /// Buffer the request body up to the limit; a side effect must be hashed and may be sent
 /// again under the same identity, so it cannot be streamed.
-async fn read_body(
+pub(super) async fn read_body(
     incoming: RequestBody,
     parts: &Parts,
     limit: usize,

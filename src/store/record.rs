@@ -46,6 +46,23 @@ pub struct HistoryEntry {
     pub note: Option<String>,
 }
 
+/// A verified webhook event that named this call (SPEC section 9.1): who sent it and
+/// what it said; its body only on routes with `store_body: true`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WebhookEvent {
+    /// The event id (the provider's).
+    pub id: String,
+    /// `upstream/route` of the webhook route that received it.
+    pub route: String,
+    #[serde(rename = "type", default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
+    pub at_ms: i64,
+    /// `succeeded`, `failed` or `other` (the route's `outcome` lists).
+    pub verdict: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub body: Option<serde_json::Value>,
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Record {
     pub id: ExecutionId,
@@ -98,6 +115,9 @@ pub struct Record {
     pub note: Option<String>,
     #[serde(default)]
     pub history: Vec<HistoryEntry>,
+    /// Webhook events correlated to this call (SPEC section 9.1), oldest first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub events: Vec<WebhookEvent>,
     /// The request body as first sent, kept only on routes whose downstream replays keyed
     /// requests: a re-send under the same key must be byte-identical to the original (such
     /// downstreams compare, and reject a reused key with a changed body), even when the
@@ -190,6 +210,7 @@ impl Record {
             response: None,
             note: None,
             history: Vec::new(),
+            events: Vec::new(),
             sent_body: None,
             send_age: ReadAge(None),
         }
