@@ -22,6 +22,20 @@ if ! command -v faketime >/dev/null 2>&1; then
   $SUDO apt-get update -qq
   $SUDO apt-get install -y -qq --no-install-recommends faketime
 fi
+if ! python3 -c "import ensurepip, venv" >/dev/null 2>&1; then
+  # tests/webhooks.rs signs deliveries with the providers' reference libraries (PyPI).
+  echo "[test] installing Debian's python3-venv for the webhook signature tests" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends python3-venv
+fi
+# Pinned Python test dependencies (tests/requirements.txt) in a venv of their own.
+if [ ! -x target/test-venv/bin/python ]; then
+  python3 -m venv target/test-venv
+fi
+target/test-venv/bin/pip install -q --disable-pip-version-check -r tests/requirements.txt
+export IDEMPROXY_TEST_PYTHON="$PWD/target/test-venv/bin/python"
 if [ ! -d tests/browser/node_modules ]; then
   (cd tests/browser && npm ci --no-audit --no-fund --silent)
 fi

@@ -113,9 +113,10 @@ pub enum Verdict {
 pub fn secret(scheme: &Scheme, value: &str) -> Result<Vec<u8>, String> {
     match scheme {
         Scheme::StandardWebhooks => {
+            // Padded or not, as the reference library reads it.
             let b64 = value.strip_prefix("whsec_").unwrap_or(value);
-            base64::engine::general_purpose::STANDARD
-                .decode(b64.trim())
+            base64::engine::general_purpose::STANDARD_NO_PAD
+                .decode(b64.trim().trim_end_matches('='))
                 .map_err(|e| format!("a Standard Webhooks secret is `whsec_` + base64 ({e})"))
         }
         Scheme::Stripe | Scheme::HmacSha256 { .. } => Ok(value.as_bytes().to_vec()),

@@ -1,0 +1,367 @@
+//! Webhook routes end to end (SPEC section 9.1), with the real binary, a real redb file
+//! and the fake downstream as the application's receiver, counting what reaches it.
+//! Deliveries are signed by the providers' reference libraries (PyPI `standardwebhooks`
+//! and `stripe`, through tests/webhook_sign.py in the venv scripts/test.sh prepares).
+
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use common::fake_downstream::FakeDownstream;
+use common::*;
+use http::StatusCode;
+
+const STD_SECRET: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+const STRIPE_SECRET: &str = "whsec_stripe_test_secret_0123456789";
+const GH_SECRET: &str = "It's a Secret to Everybody";
+
+fn config(dir: &Path, ds: &str) -> String {
+    format!(
+        r#"listen: 127.0.0.1:0
+store: {{ backend: redb, path: {dir}/store.redb, retention: 1h }}
+upstreams:
+  - name: pay
+    url: {ds}
+    mount: /pay
+    routes:
+      - {{ name: charge, match: {{ method: POST, path: /drop-after-commit/send }} }}
+  - name: std
+    url: {ds}
+    mount: /std
+    routes:
+      - name: events
+        match: {{ method: POST, path: /send }}
+        class: webhook
+        webhook:
+          event_id: {{ header: webhook-id }}
+          verify: {{ scheme: standard_webhooks, secret_env: TEST_STD_SECRET }}
+      - name: flaky_events
+        match: {{ method: POST, path: /fail-once-before-commit/send }}
+        class: webhook
+        webhook:
+          verify: {{ scheme: standard_webhooks, secret_env: TEST_STD_SECRET, tolerance: 1m }}
+  - name: stripe
+    url: {ds}
+    mount: /stripe
+    routes:
+      - name: events
+        match: {{ method: POST, path: /send }}
+        class: webhook
+        webhook:
+          event_id: {{ json: /id }}
+          verify: {{ scheme: stripe, secret_env: TEST_STRIPE_SECRET }}
+          correlate:
+            - {{ json: /data/object/metadata/execution_id, to: execution_id }}
+            - {{ json: /request/idempotency_key, to: execution_id }}
+          outcome:
+            status: /type
+            succeeded: [payment_intent.succeeded]
+            failed: [payment_intent.payment_failed]
+  - name: gh
+    url: {ds}
+    mount: /gh
+    routes:
+      - name: events
+        match: {{ method: POST, path: /send }}
+        class: webhook
+        webhook:
+          event_id: {{ header: X-GitHub-Delivery }}
+          verify: {{ scheme: hmac_sha256, secret_env: TEST_GH_SECRET, header: X-Hub-Signature-256, prefix: "sha256=" }}
+"#,
+        dir = dir.display()
+    )
+}
+
+const ENV: [(&str, &str); 3] = [
+    ("TEST_STD_SECRET", STD_SECRET),
+    ("TEST_STRIPE_SECRET", STRIPE_SECRET),
+    ("TEST_GH_SECRET", GH_SECRET),
+];
+
+fn now_s() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock")
+        .as_secs() as i64
+}
+
+/// Headers signed by the reference library of `scheme` (`standard` or `stripe`).
+fn signed(scheme: &str, secret: &str, id: &str, ts: i64, body: &str) -> Vec<(String, String)> {
+    let python = std::env::var("IDEMPROXY_TEST_PYTHON").unwrap_or_else(|_| {
+        concat!(env!("CARGO_MANIFEST_DIR"), "/target/test-venv/bin/python").to_string()
+    });
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/webhook_sign.py");
+    let mut child = Command::new(&python)
+        .args([script, scheme, secret, id, &ts.to_string()])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| {
+            panic!("cannot run {python} ({e}); scripts/test.sh creates the venv with tests/requirements.txt")
+        });
+    {
+        use std::io::Write;
+        child
+            .stdin
+            .take()
+            .expect("stdin")
+            .write_all(body.as_bytes())
+            .expect("write body");
+    }
+    let out = child.wait_with_output().expect("signer runs");
+    assert!(
+        out.status.success(),
+        "signer failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let map: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&out.stdout).expect("signer prints JSON");
+    map.into_iter()
+        .map(|(k, v)| (k, v.as_str().expect("string").to_string()))
+        .collect()
+}
+
+async fn deliver(c: &TestClient, url: &str, headers: &[(String, String)], body: &str) -> Resp {
+    let h: Vec<(&str, &str)> = headers
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    post(c, url, &h, body).await
+}
+
+struct Env {
+    dir: tempfile::TempDir,
+    ds: FakeDownstream,
+}
+
+impl Env {
+    async fn new() -> Env {
+        Env {
+            dir: tempfile::tempdir().expect("tempdir"),
+            ds: FakeDownstream::start().await,
+        }
+    }
+
+    fn start(&self) -> ProxyProc {
+        ProxyProc::start_with_env(
+            self.dir.path(),
+            &config(self.dir.path(), &self.ds.url()),
+            &ENV,
+        )
+    }
+}
+
+#[tokio::test]
+async fn duplicate_deliveries_reach_the_receiver_once_and_replay() {
+    let env = Env::new().await;
+    let proxy = env.start();
+    let c = client();
+    let body = r#"{"type":"invoice.paid","data":{"n":1}}"#;
+    let headers = signed("standard", STD_SECRET, "msg_dup_1", now_s(), body);
+    let first = deliver(&c, &proxy.url("/std/send"), &headers, body).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    assert_eq!(first.header("idempotent-replayed"), None);
+    let exec = first
+        .header("idempotency-execution-id")
+        .expect("execution id")
+        .to_string();
+    // The receiver saw the delivery's execution_id as its idempotency key, once.
+    assert_eq!(env.ds.commits_for(&exec), 1);
+    let seen = env.ds.last_headers("/send").expect("receiver headers");
+    assert!(seen
+        .iter()
+        .any(|(k, v)| k == "webhook-id" && v == "msg_dup_1"));
+    // Two redeliveries, newly signed (the provider signs each attempt): replayed.
+    for _ in 0..2 {
+        let again = signed("standard", STD_SECRET, "msg_dup_1", now_s(), body);
+        let r = deliver(&c, &proxy.url("/std/send"), &again, body).await;
+        assert_eq!(r.status, StatusCode::CREATED);
+        assert_eq!(r.header("idempotent-replayed"), Some("true"));
+        assert_eq!(r.body, first.body);
+    }
+    assert_eq!(env.ds.hits_on("/send"), 1);
+    assert_eq!(env.ds.commits(), 1);
+    // Another event is another delivery.
+    let other = signed("standard", STD_SECRET, "msg_dup_2", now_s(), body);
+    let r = deliver(&c, &proxy.url("/std/send"), &other, body).await;
+    assert_eq!(r.status, StatusCode::CREATED);
+    assert_eq!(env.ds.commits(), 2);
+}
+
+#[tokio::test]
+async fn a_concurrent_duplicate_gets_409_and_retry_after() {
+    let env = Env::new().await;
+    let proxy = env.start();
+    let c = client();
+    let body = r#"{"type":"invoice.paid"}"#;
+    let url = proxy.url("/std/send?delay_ms=800");
+    let headers = signed("standard", STD_SECRET, "msg_conc", now_s(), body);
+    let first = {
+        let (c, url, headers) = (c.clone(), url.clone(), headers.clone());
+        tokio::spawn(async move { deliver(&c, &url, &headers, body).await })
+    };
+    wait_for_hit(&env.ds, "/send").await;
+    let dup = deliver(&c, &url, &headers, body).await;
+    assert_eq!(dup.status, StatusCode::CONFLICT, "{dup:?}");
+    assert_eq!(dup.problem_type(), "urn:idemproxy:problem:in-flight");
+    assert!(dup.header("retry-after").is_some());
+    let first = first.await.expect("first delivery");
+    assert_eq!(first.status, StatusCode::CREATED);
+    let late = deliver(&c, &url, &headers, body).await;
+    assert_eq!(late.header("idempotent-replayed"), Some("true"));
+    assert_eq!(env.ds.hits_on("/send"), 1);
+}
+
+#[tokio::test]
+async fn bad_or_stale_signatures_are_refused_and_nothing_is_recorded() {
+    let env = Env::new().await;
+    let proxy = env.start();
+    let c = client();
+    let url = proxy.url("/std/send");
+    let body = r#"{"type":"invoice.paid"}"#;
+    let wrong_secret = signed(
+        "standard",
+        "whsec_AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA",
+        "msg_bad",
+        now_s(),
+        body,
+    );
+    let stale = signed("standard", STD_SECRET, "msg_bad", now_s() - 600, body);
+    let future = signed("standard", STD_SECRET, "msg_bad", now_s() + 600, body);
+    let good = signed("standard", STD_SECRET, "msg_bad", now_s(), body);
+    let tampered = r#"{"type":"invoice.paid","amount":1}"#;
+    let unsigned = vec![("webhook-id".to_string(), "msg_bad".to_string())];
+    for (headers, body) in [
+        (&wrong_secret, body),
+        (&stale, body),
+        (&future, body),
+        (&good, tampered),
+        (&unsigned, body),
+    ] {
+        let r = deliver(&c, &url, headers, body).await;
+        assert_eq!(r.status, StatusCode::UNAUTHORIZED, "{r:?}");
+        assert_eq!(r.problem_type(), "urn:idemproxy:problem:webhook-signature");
+    }
+    // Stripe's scheme with another secret, and a GitHub-style HMAC with a bad digest.
+    let ev = r#"{"id":"evt_bad","type":"x"}"#;
+    let stripe_bad = signed("stripe", "whsec_other", "evt_bad", now_s(), ev);
+    let r = deliver(&c, &proxy.url("/stripe/send"), &stripe_bad, ev).await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    let gh_bad = vec![
+        ("X-GitHub-Delivery".to_string(), "gh_1".to_string()),
+        (
+            "X-Hub-Signature-256".to_string(),
+            format!("sha256={}", "0".repeat(64)),
+        ),
+    ];
+    let r = deliver(&c, &proxy.url("/gh/send"), &gh_bad, "Hello, World!").await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(env.ds.hits(), 0, "nothing was forwarded");
+    proxy.terminate();
+    let cfg = env.dir.path().join("idemproxy.yaml");
+    assert_eq!(records(&cfg), Vec::<String>::new(), "nothing was recorded");
+    // A later valid delivery of the same event is forwarded: the refusals left no trace.
+    let proxy = env.start();
+    let r = deliver(&c, &proxy.url("/std/send"), &good, body).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{r:?}");
+    assert_eq!(r.header("idempotent-replayed"), None);
+    assert_eq!(env.ds.commits(), 1);
+    // GitHub's documented example signature is accepted by the hmac_sha256 scheme.
+    let gh = vec![
+        ("X-GitHub-Delivery".to_string(), "gh_2".to_string()),
+        (
+            "X-Hub-Signature-256".to_string(),
+            "sha256=757107ea0eb2509fc211221cce984b8a37570b6d7586c22c46f4379c8b043e17".to_string(),
+        ),
+    ];
+    let r = deliver(&c, &proxy.url("/gh/send"), &gh, "Hello, World!").await;
+    assert_eq!(r.status, StatusCode::CREATED, "{r:?}");
+}
+
+#[tokio::test]
+async fn a_receiver_5xx_is_not_stored_and_the_redelivery_is_forwarded() {
+    let env = Env::new().await;
+    let proxy = env.start();
+    let c = client();
+    let url = proxy.url("/std/fail-once-before-commit/send");
+    let body = r#"{"type":"invoice.paid"}"#;
+    let headers = signed("standard", STD_SECRET, "msg_5xx", now_s(), body);
+    let r = deliver(&c, &url, &headers, body).await;
+    assert_eq!(r.status, StatusCode::INTERNAL_SERVER_ERROR, "{r:?}");
+    assert_eq!(env.ds.commits(), 0);
+    // The provider retries: forwarded again (the 500 was not stored), then stored.
+    let again = signed("standard", STD_SECRET, "msg_5xx", now_s(), body);
+    let r = deliver(&c, &url, &again, body).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{r:?}");
+    assert_eq!(r.header("idempotent-replayed"), None);
+    let r = deliver(&c, &url, &again, body).await;
+    assert_eq!(r.header("idempotent-replayed"), Some("true"));
+    assert_eq!(env.ds.hits_on("/fail-once-before-commit/send"), 2);
+    assert_eq!(env.ds.commits(), 1);
+}
+
+#[tokio::test]
+async fn a_stripe_event_settles_an_unknown_payment_and_its_retry_is_not_resent() {
+    let env = Env::new().await;
+    let proxy = env.start();
+    let c = client();
+    let charge = proxy.url("/pay/drop-after-commit/send");
+    let key = [("Idempotency-Key", "order-77-charge")];
+    let r = post(&c, &charge, &key, r#"{"amount":100}"#).await;
+    assert_eq!(r.status, StatusCode::BAD_GATEWAY, "{r:?}");
+    assert_eq!(r.header("idempotency-status"), Some("outcome_unknown"));
+    let exec = r
+        .header("idempotency-execution-id")
+        .expect("execution id")
+        .to_string();
+    // Without evidence, a retry is not re-sent.
+    let r = post(&c, &charge, &key, r#"{"amount":100}"#).await;
+    assert_eq!(r.status, StatusCode::CONFLICT);
+    assert_eq!(env.ds.hits_on("/drop-after-commit/send"), 1);
+    // Stripe echoes the injected key as request.idempotency_key; the event is delivered
+    // twice, signed by stripe-python.
+    let event = format!(
+        r#"{{"id":"evt_pi_77","object":"event","type":"payment_intent.succeeded","data":{{"object":{{"id":"pi_77","object":"payment_intent","amount":100,"status":"succeeded"}}}},"request":{{"id":"req_1","idempotency_key":"{exec}"}}}}"#
+    );
+    for _ in 0..2 {
+        let headers = signed("stripe", STRIPE_SECRET, "evt_pi_77", now_s(), &event);
+        let r = deliver(&c, &proxy.url("/stripe/send"), &headers, &event).await;
+        assert!(r.status.is_success(), "{r:?}");
+    }
+    assert_eq!(
+        env.ds.hits_on("/send"),
+        1,
+        "the receiver saw the event once"
+    );
+    // The retry of the payment: answered from the evidence, never re-sent.
+    let r = post(&c, &charge, &key, r#"{"amount":100}"#).await;
+    assert_eq!(r.status, StatusCode::OK, "{r:?}");
+    assert_eq!(r.header("idempotency-reconciled"), Some("webhook"));
+    assert_eq!(r.header("idempotent-replayed"), Some("true"));
+    assert_eq!(r.header("idempotency-webhook-event"), Some("evt_pi_77"));
+    assert_eq!(r.json()["id"], "pi_77");
+    assert_eq!(env.ds.hits_on("/drop-after-commit/send"), 1);
+    proxy.terminate();
+    // The record shows the settlement in its history and the event (no body).
+    let out = cli(&[
+        "records",
+        "show",
+        &exec,
+        "--config",
+        env.dir
+            .path()
+            .join("idemproxy.yaml")
+            .to_str()
+            .expect("utf-8"),
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("settle_by_webhook"), "{text}");
+    assert!(text.contains("evt_pi_77"), "{text}");
+    assert!(
+        !text.contains("req_1"),
+        "the event body is not stored: {text}"
+    );
+}
