@@ -27,6 +27,7 @@ upstreams:
     mount: /pay
     routes:
       - {{ name: charge, match: {{ method: POST, path: /drop-after-commit/send }} }}
+      - {{ name: slow_charge, match: {{ method: POST, path: /timeout-after-commit/send }}, timeout: 1s }}
   - name: std
     url: {ds}
     mount: /std
@@ -364,4 +365,57 @@ async fn a_stripe_event_settles_an_unknown_payment_and_its_retry_is_not_resent()
         !text.contains("req_1"),
         "the event body is not stored: {text}"
     );
+}
+
+#[tokio::test]
+async fn an_event_for_a_call_still_executing_is_refused_until_the_call_has_an_outcome() {
+    let env = Env::new().await;
+    let proxy = env.start();
+    let c = client();
+    let charge = proxy.url("/pay/timeout-after-commit/send");
+    let call = {
+        let (c, charge) = (c.clone(), charge.clone());
+        tokio::spawn(async move {
+            post(
+                &c,
+                &charge,
+                &[("Idempotency-Key", "order-78")],
+                r#"{"amount":5}"#,
+            )
+            .await
+        })
+    };
+    wait_for_hit(&env.ds, "/timeout-after-commit/send").await;
+    let exec = env
+        .ds
+        .last_headers("/timeout-after-commit/send")
+        .and_then(|h| h.into_iter().find(|(k, _)| k == "idempotency-key"))
+        .map(|(_, v)| v)
+        .expect("the injected key");
+    let event = format!(
+        r#"{{"id":"evt_pi_78","type":"payment_intent.succeeded","data":{{"object":{{"id":"pi_78","metadata":{{"execution_id":"{exec}"}}}}}}}}"#
+    );
+    let headers = signed("stripe", STRIPE_SECRET, "evt_pi_78", now_s(), &event);
+    let early = deliver(&c, &proxy.url("/stripe/send"), &headers, &event).await;
+    assert_eq!(early.status, StatusCode::CONFLICT, "{early:?}");
+    assert!(early.header("retry-after").is_some());
+    assert_eq!(env.ds.hits_on("/send"), 0, "refused before forwarding");
+    let r = call.await.expect("call");
+    assert_eq!(r.status, StatusCode::GATEWAY_TIMEOUT, "{r:?}");
+    // The provider's redelivery settles the now unknown outcome.
+    let headers = signed("stripe", STRIPE_SECRET, "evt_pi_78", now_s(), &event);
+    let r = deliver(&c, &proxy.url("/stripe/send"), &headers, &event).await;
+    assert!(r.status.is_success(), "{r:?}");
+    let r = post(
+        &c,
+        &charge,
+        &[("Idempotency-Key", "order-78")],
+        r#"{"amount":5}"#,
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK, "{r:?}");
+    assert_eq!(r.header("idempotency-reconciled"), Some("webhook"));
+    assert_eq!(r.json()["id"], "pi_78");
+    assert_eq!(env.ds.hits_on("/timeout-after-commit/send"), 1);
+    assert_eq!(env.ds.hits_on("/send"), 1);
 }

@@ -88,7 +88,20 @@ pub async fn admit(
     };
     if let Some(json) = &json {
         if !spec.correlate.is_empty() {
-            correlate(proxy, target, spec, &event_id, json).await;
+            if let Folded::Executing(named) = correlate(proxy, target, spec, &event_id, json).await
+            {
+                // Not recorded, not forwarded: the provider redelivers, and by then the
+                // call has an outcome of its own (or an unknown one this event settles).
+                return Admit::Respond(
+                    Problem::new(
+                        Kind::InFlight,
+                        "the event names a call that is still executing; nothing was recorded or forwarded, redeliver it to have it applied",
+                    )
+                    .execution(&named)
+                    .header(http::header::RETRY_AFTER, http::HeaderValue::from_static("1"))
+                    .into_response(),
+                );
+            }
         }
     }
     // Providers carry no tenant credential: the event id is scoped by upstream and route.
@@ -139,18 +152,26 @@ pub fn count(
     proxy.metrics.webhook(upstream, route, result);
 }
 
+/// What folding an event into the call it names came to.
+enum Folded {
+    /// Recorded, already there, not correlated, or not writable (logged): go on.
+    Done,
+    /// The named call is still `executing`: its attempt owns the record (a write here
+    /// would fence it out), so the delivery is refused for the provider to redeliver.
+    Executing(ExecutionId),
+}
+
 /// Fold a verified event into the call it names: the first `correlate` pointer whose value
 /// is a stored execution wins. The event joins that record's `events` (once per event id
 /// and route); a `succeeded` event settles an `outcome_unknown` record as `committed`
-/// (`SettleByWebhook`, the event as evidence). A call still `executing` is left alone: its
-/// own attempt holds the record and will learn the outcome itself.
+/// (`SettleByWebhook`, the event as evidence).
 async fn correlate(
     proxy: &Proxy,
     target: &Target<'_>,
     spec: &WebhookSpec,
     event_id: &str,
     json: &serde_json::Value,
-) {
+) -> Folded {
     let (upstream, route) = (&target.upstream.name, &target.route.name);
     let label = format!("{upstream}/{route}");
     let (kind, verdict) = webhook::verdict(spec, json);
@@ -163,18 +184,18 @@ async fn correlate(
                 Ok(None) => break,
                 Err(e) => {
                     tracing::warn!(event_id, execution_id = %id, error = %e, "webhook correlation: could not read the record");
-                    return;
+                    return Folded::Done;
                 }
             };
             if r.events
                 .iter()
                 .any(|e| e.id == event_id && e.route == label)
             {
-                return;
+                return Folded::Done;
             }
             if r.state() == State::Executing {
-                tracing::info!(event_id, execution_id = %id, "webhook event names a call still executing; left to its attempt");
-                return;
+                tracing::info!(event_id, execution_id = %id, "webhook event names a call still executing; the delivery is refused for a redelivery");
+                return Folded::Executing(id);
             }
             let now = now_ms();
             r.events.push(WebhookEvent {
@@ -199,7 +220,7 @@ async fn correlate(
                 );
                 if let Err(e) = r.apply(Event::SettleByWebhook, now, Some(note)) {
                     tracing::error!(execution_id = %id, error = %e, "webhook settle refused");
-                    return;
+                    return Folded::Done;
                 }
             }
             match proxy.store.update(r).await {
@@ -211,17 +232,18 @@ async fn correlate(
                     } else {
                         tracing::info!(event_id, execution_id = %id, "webhook event joined the call's history");
                     }
-                    return;
+                    return Folded::Done;
                 }
                 Err(StoreError::Conflict { .. }) => continue,
                 Err(e) => {
                     tracing::warn!(event_id, execution_id = %id, error = %e, "webhook correlation: could not write the record");
-                    return;
+                    return Folded::Done;
                 }
             }
         }
     }
     proxy.metrics.webhook(upstream, route, "uncorrelated");
+    Folded::Done
 }
 
 /// The stored answer of a call settled by an event: `200` JSON, the event's `data.object`
