@@ -423,6 +423,7 @@ impl Config {
                 };
                 let key = match (r.class, r.key_required) {
                     (Class::ReadOnly, _) => "-",
+                    (Class::Webhook, _) => "event",
                     (_, true) => "req",
                     (_, false) => "opt",
                 };
