@@ -419,3 +419,124 @@ async fn an_event_for_a_call_still_executing_is_refused_until_the_call_has_an_ou
     assert_eq!(env.ds.hits_on("/timeout-after-commit/send"), 1);
     assert_eq!(env.ds.hits_on("/send"), 1);
 }
+
+/// A fresh PostgreSQL schema for the multi-instance test, dropped when the guard goes.
+struct Schema {
+    name: String,
+    url: String,
+}
+
+impl Schema {
+    fn new() -> Schema {
+        let url = std::env::var("IDEMPROXY_TEST_POSTGRES_URL").unwrap_or_else(|_| {
+            panic!("IDEMPROXY_TEST_POSTGRES_URL is not set: this test needs a real PostgreSQL server (e.g. postgres://postgres@127.0.0.1:5432/test)")
+        });
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .expect("clock")
+            .as_nanos();
+        Schema {
+            name: format!("it_hooks_{}_{}", std::process::id(), nanos % 1_000_000_000),
+            url,
+        }
+    }
+}
+
+impl Drop for Schema {
+    fn drop(&mut self) {
+        let (url, name) = (self.url.clone(), self.name.clone());
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async move {
+                if let Ok((client, conn)) =
+                    tokio_postgres::connect(&url, tokio_postgres::NoTls).await
+                {
+                    tokio::spawn(conn);
+                    let _ = client
+                        .batch_execute(&format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE"))
+                        .await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn two_postgres_instances_forward_an_event_once_and_settle_across_instances() {
+    let schema = Schema::new();
+    let ds = FakeDownstream::start().await;
+    let dirs: Vec<_> = (0..2)
+        .map(|_| tempfile::tempdir().expect("tempdir"))
+        .collect();
+    let procs: Vec<ProxyProc> = dirs
+        .iter()
+        .map(|d| {
+            let yaml = config(d.path(), &ds.url()).replace(
+                &format!(
+                    "store: {{ backend: redb, path: {}/store.redb, retention: 1h }}",
+                    d.path().display()
+                ),
+                &format!(
+                    "store: {{ backend: postgres, url_env: IDEMPROXY_TEST_POSTGRES_URL, schema: {}, retention: 1h }}",
+                    schema.name
+                ),
+            );
+            assert!(yaml.contains("backend: postgres"));
+            ProxyProc::start_with_env(d.path(), &yaml, &ENV)
+        })
+        .collect();
+    let c = client();
+    // Ten concurrent deliveries of one event, alternating instances, to a slow receiver.
+    let body = r#"{"type":"invoice.paid"}"#;
+    let headers = signed("standard", STD_SECRET, "msg_pg_1", now_s(), body);
+    let mut tasks = Vec::new();
+    for i in 0..10 {
+        let (c, url, headers) = (
+            c.clone(),
+            procs[i % 2].url("/std/send?delay_ms=300"),
+            headers.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            deliver(&c, &url, &headers, body).await
+        }));
+    }
+    let mut created = 0;
+    for t in tasks {
+        let r = t.await.expect("delivery");
+        match r.status {
+            StatusCode::CREATED => created += 1,
+            StatusCode::CONFLICT => assert!(r.header("retry-after").is_some()),
+            other => panic!("unexpected {other}: {r:?}"),
+        }
+    }
+    assert!(created >= 1);
+    assert_eq!(
+        ds.hits_on("/send"),
+        1,
+        "forwarded once across both instances"
+    );
+    // A payment whose answer was lost on one instance, settled by an event the other
+    // received; the retry on the first is answered from the evidence.
+    let charge = procs[0].url("/pay/drop-after-commit/send");
+    let key = [("Idempotency-Key", "order-pg")];
+    let r = post(&c, &charge, &key, "{}").await;
+    assert_eq!(r.status, StatusCode::BAD_GATEWAY, "{r:?}");
+    let exec = r
+        .header("idempotency-execution-id")
+        .expect("id")
+        .to_string();
+    let event = format!(
+        r#"{{"id":"evt_pg","type":"payment_intent.succeeded","data":{{"object":{{"id":"pi_pg"}}}},"request":{{"idempotency_key":"{exec}"}}}}"#
+    );
+    let headers = signed("stripe", STRIPE_SECRET, "evt_pg", now_s(), &event);
+    let r = deliver(&c, &procs[1].url("/stripe/send"), &headers, &event).await;
+    assert!(r.status.is_success(), "{r:?}");
+    let r = post(&c, &charge, &key, "{}").await;
+    assert_eq!(r.status, StatusCode::OK, "{r:?}");
+    assert_eq!(r.header("idempotency-reconciled"), Some("webhook"));
+    assert_eq!(ds.hits_on("/drop-after-commit/send"), 1);
+}
