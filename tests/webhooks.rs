@@ -20,6 +20,7 @@ const GH_SECRET: &str = "It's a Secret to Everybody";
 fn config(dir: &Path, ds: &str) -> String {
     format!(
         r#"listen: 127.0.0.1:0
+admin: {{ listen: 127.0.0.1:0, token_env: {ADMIN_TOKEN_ENV} }}
 store: {{ backend: redb, path: {dir}/store.redb, retention: 1h }}
 upstreams:
   - name: pay
@@ -28,6 +29,7 @@ upstreams:
     routes:
       - {{ name: charge, match: {{ method: POST, path: /drop-after-commit/send }} }}
       - {{ name: slow_charge, match: {{ method: POST, path: /timeout-after-commit/send }}, timeout: 1s }}
+      - {{ name: start_job, match: {{ method: POST, path: /send }}, job: {{ id: /id }} }}
   - name: std
     url: {ds}
     mount: /std
@@ -58,8 +60,8 @@ upstreams:
             - {{ json: /request/idempotency_key, to: execution_id }}
           outcome:
             status: /type
-            succeeded: [payment_intent.succeeded]
-            failed: [payment_intent.payment_failed]
+            succeeded: [payment_intent.succeeded, job.completed]
+            failed: [payment_intent.payment_failed, job.failed]
   - name: gh
     url: {ds}
     mount: /gh
@@ -75,7 +77,8 @@ upstreams:
     )
 }
 
-const ENV: [(&str, &str); 3] = [
+const ENV: [(&str, &str); 4] = [
+    (ADMIN_TOKEN_ENV, ADMIN_TOKEN),
     ("TEST_STD_SECRET", STD_SECRET),
     ("TEST_STRIPE_SECRET", STRIPE_SECRET),
     ("TEST_GH_SECRET", GH_SECRET),
@@ -539,4 +542,66 @@ async fn two_postgres_instances_forward_an_event_once_and_settle_across_instance
     assert_eq!(r.status, StatusCode::OK, "{r:?}");
     assert_eq!(r.header("idempotency-reconciled"), Some("webhook"));
     assert_eq!(ds.hits_on("/drop-after-commit/send"), 1);
+}
+
+async fn jobs(c: &TestClient, proxy: &ProxyProc, state: &str) -> Vec<serde_json::Value> {
+    let auth = format!("Bearer {ADMIN_TOKEN}");
+    let r = send(
+        c,
+        http::Method::GET,
+        &proxy.admin_url(&format!("/v1/jobs?state={state}")),
+        &[("authorization", &auth)],
+        "",
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK, "{r:?}");
+    assert_eq!(r.json()["complete"], true);
+    r.json()["items"].as_array().expect("items").clone()
+}
+
+#[tokio::test]
+async fn a_job_started_by_a_call_is_completed_by_a_correlated_event() {
+    let env = Env::new().await;
+    let proxy = env.start();
+    let c = client();
+    let start = proxy.url("/pay/send");
+    let key = [("Idempotency-Key", "report-9")];
+    let first = post(&c, &start, &key, r#"{"report":"q3"}"#).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let exec = first
+        .header("idempotency-execution-id")
+        .expect("id")
+        .to_string();
+    let job_id = first.json()["id"].as_str().expect("job id").to_string();
+    let running = jobs(&c, &proxy, "running").await;
+    assert_eq!(running.len(), 1, "{running:?}");
+    assert_eq!(running[0]["execution_id"], exec.as_str());
+    assert_eq!(running[0]["job"]["id"], job_id.as_str());
+    // The job runner's event names the call by the key the proxy injected.
+    let event = format!(
+        r#"{{"id":"evt_job_9","type":"job.completed","data":{{"object":{{"id":"{job_id}","output":"q3.pdf"}}}},"request":{{"idempotency_key":"{exec}"}}}}"#
+    );
+    let headers = signed("stripe", STRIPE_SECRET, "evt_job_9", now_s(), &event);
+    let r = deliver(&c, &proxy.url("/stripe/send"), &headers, &event).await;
+    assert!(r.status.is_success(), "{r:?}");
+    assert!(jobs(&c, &proxy, "running").await.is_empty());
+    let done = jobs(&c, &proxy, "succeeded").await;
+    assert_eq!(done.len(), 1, "{done:?}");
+    assert_eq!(done[0]["job"]["result"]["output"], "q3.pdf");
+    assert_eq!(done[0]["job"]["event"], "evt_job_9");
+    // A late, contradicting event does not reopen or flip the ended job.
+    let late = format!(
+        r#"{{"id":"evt_job_10","type":"job.failed","data":{{"object":{{"id":"{job_id}"}}}},"request":{{"idempotency_key":"{exec}"}}}}"#
+    );
+    let headers = signed("stripe", STRIPE_SECRET, "evt_job_10", now_s(), &late);
+    let r = deliver(&c, &proxy.url("/stripe/send"), &headers, &late).await;
+    assert!(r.status.is_success(), "{r:?}");
+    assert_eq!(jobs(&c, &proxy, "succeeded").await.len(), 1);
+    assert!(jobs(&c, &proxy, "failed").await.is_empty());
+    // A retry of the starting call replays its original answer: no second job.
+    let again = post(&c, &start, &key, r#"{"report":"q3"}"#).await;
+    assert_eq!(again.status, StatusCode::CREATED);
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(again.body, first.body);
+    assert_eq!(env.ds.commits_for(&exec), 1);
 }

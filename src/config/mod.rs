@@ -278,6 +278,8 @@ pub struct Route {
     pub external_id: Option<String>,
     /// `class: webhook` only: the event id, signature and correlation rules.
     pub webhook: Option<std::sync::Arc<crate::policy::webhook::WebhookSpec>>,
+    /// `job:` (side-effect routes): the job id pointer into the committed answer.
+    pub job: Option<crate::policy::job::JobSpec>,
 }
 
 #[derive(Debug, Clone)]

@@ -117,6 +117,16 @@ pub struct RawRoute {
     pub timeout: Option<String>,
     pub external_id: Option<String>,
     pub webhook: Option<RawWebhook>,
+    pub job: Option<RawJob>,
+}
+
+/// `job:` on a side-effect route (SPEC section 9.2).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawJob {
+    pub id: Option<String>,
+    /// Status polls (observed or proactive): refused by this version.
+    pub status: Option<serde_yaml_ng::Value>,
 }
 
 /// `webhook:` on a `class: webhook` route (SPEC section 9.1).

@@ -603,6 +603,7 @@ impl Validator {
             timeout,
             external_id: Some("/id".into()),
             webhook: None,
+            job: None,
         };
         let ca_file = u.tls.and_then(|t| t.ca_file).map(|f| {
             let p = PathBuf::from(f);
@@ -756,6 +757,28 @@ impl Validator {
                 }
             }
         }
+        let job = r.job.and_then(|j| {
+            if class != Class::SideEffect {
+                self.err(format!("{path}.job"), "only meaningful on side_effect routes");
+                return None;
+            }
+            if j.status.is_some() {
+                self.err(
+                    format!("{path}.job.status"),
+                    "status polls are not supported by this version; a job's state is set by a correlated webhook event",
+                );
+            }
+            match j.id {
+                Some(p) => {
+                    self.pointer(&format!("{path}.job.id"), &p);
+                    Some(crate::policy::job::JobSpec { id: p })
+                }
+                None => {
+                    self.err(format!("{path}.job.id"), "missing (e.g. /job_id)");
+                    None
+                }
+            }
+        });
         let downstream_key = match r.downstream_key {
             None if class == Class::Webhook => Some(DownstreamKey {
                 header: HeaderName::from_static("idempotency-key"),
@@ -902,6 +925,7 @@ impl Validator {
             retry,
             timeout,
             webhook,
+            job,
         })
     }
 

@@ -424,6 +424,7 @@ mod tests {
             timeout: Duration::from_secs(1),
             external_id: Some("/id".into()),
             webhook: None,
+            job: None,
         }
     }
 

@@ -293,8 +293,16 @@ pub fn verdict(spec: &WebhookSpec, json: &serde_json::Value) -> (Option<String>,
 /// The answer a retry of a call settled by a webhook gets: the event's `data.object` when
 /// it has one, else the whole event, as JSON.
 pub fn evidence_body(json: &serde_json::Value) -> Vec<u8> {
-    let data = json.pointer("/data/object").unwrap_or(json);
-    serde_json::to_vec(data).expect("a JSON value serializes")
+    serde_json::to_vec(evidence_of(json)).expect("a JSON value serializes")
+}
+
+/// [`evidence_body`] as a value (a job's result).
+pub fn evidence_value(json: &serde_json::Value) -> serde_json::Value {
+    evidence_of(json).clone()
+}
+
+fn evidence_of(json: &serde_json::Value) -> &serde_json::Value {
+    json.pointer("/data/object").unwrap_or(json)
 }
 
 #[cfg(test)]

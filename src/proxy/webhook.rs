@@ -18,6 +18,7 @@ use super::{Proxy, Runtime};
 use crate::policy::classify::Target;
 use crate::policy::fingerprint::{raw_digest, CallScope, RequestParts};
 use crate::policy::identity::{self, ExecutionId};
+use crate::policy::job::JobState;
 use crate::policy::state::{Event, State};
 use crate::policy::webhook::{self, Verdict, WebhookSpec};
 use crate::store::record::WebhookEvent;
@@ -211,6 +212,24 @@ async fn correlate(
                 .into(),
                 body: spec.store_body.then(|| json.clone()),
             });
+            let ended = match verdict {
+                Verdict::Succeeded => Some(JobState::Succeeded),
+                Verdict::Failed => Some(JobState::Failed),
+                Verdict::Other => None,
+            };
+            if let (Some(job), Some(to)) = (r.job.as_mut(), ended) {
+                match crate::policy::job::advance(job.state, to) {
+                    Ok(state) => {
+                        job.state = state;
+                        job.result = Some(webhook::evidence_value(json));
+                        job.event = Some(event_id.to_string());
+                        job.updated_at_ms = now;
+                    }
+                    Err(why) => {
+                        tracing::info!(event_id, execution_id = %id, reason = %why, "webhook event does not move the job")
+                    }
+                }
+            }
             let settles = verdict == Verdict::Succeeded && r.state() == State::OutcomeUnknown;
             if settles {
                 r.response = Some(evidence(json, event_id));

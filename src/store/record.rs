@@ -63,6 +63,22 @@ pub struct WebhookEvent {
     pub body: Option<serde_json::Value>,
 }
 
+/// A background job started by the call (SPEC section 9.2). Its state moves only through
+/// [`crate::policy::job::advance`]; the record's own state and stored answer stay as they are.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Job {
+    pub id: String,
+    pub state: crate::policy::job::JobState,
+    /// What ended it: the event's `data.object` (else the event).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<serde_json::Value>,
+    /// The event that ended it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub event: Option<String>,
+    pub started_at_ms: i64,
+    pub updated_at_ms: i64,
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Record {
     pub id: ExecutionId,
@@ -118,6 +134,9 @@ pub struct Record {
     /// Webhook events correlated to this call (SPEC section 9.1), oldest first.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub events: Vec<WebhookEvent>,
+    /// The background job this call started (SPEC section 9.2), on `job:` routes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job: Option<Job>,
     /// The request body as first sent, kept only on routes whose downstream replays keyed
     /// requests: a re-send under the same key must be byte-identical to the original (such
     /// downstreams compare, and reject a reused key with a changed body), even when the
@@ -211,6 +230,7 @@ impl Record {
             note: None,
             history: Vec::new(),
             events: Vec::new(),
+            job: None,
             sent_body: None,
             send_age: ReadAge(None),
         }
