@@ -193,6 +193,22 @@ async fn duplicate_deliveries_reach_the_receiver_once_and_replay() {
     let r = deliver(&c, &proxy.url("/std/send"), &other, body).await;
     assert_eq!(r.status, StatusCode::CREATED);
     assert_eq!(env.ds.commits(), 2);
+    let auth = format!("Bearer {ADMIN_TOKEN}");
+    let m = send(
+        &c,
+        http::Method::GET,
+        &proxy.admin_url("/metrics"),
+        &[("authorization", &auth)],
+        "",
+    )
+    .await;
+    let text = String::from_utf8_lossy(&m.body);
+    for line in [
+        r#"idemproxy_webhooks_total{upstream="std",route="events",result="forwarded"} 2"#,
+        r#"idemproxy_webhooks_total{upstream="std",route="events",result="replayed"} 2"#,
+    ] {
+        assert!(text.contains(line), "missing {line} in\n{text}");
+    }
 }
 
 #[tokio::test]

@@ -1072,6 +1072,12 @@ impl Validator {
                 failed: o.failed,
             }
         });
+        if !correlate.is_empty() && verify.is_none() {
+            self.err(
+                format!("{path}.correlate"),
+                "correlating events with calls needs `verify`: an unsigned event could otherwise write into any call's record",
+            );
+        }
         if outcome.as_ref().is_some_and(|o| !o.succeeded.is_empty()) {
             if verify.is_none() {
                 self.err(

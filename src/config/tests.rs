@@ -284,6 +284,7 @@ fn webhook_routes_fix_the_core_settings_and_refuse_unsafe_settling() {
         "upstreams[0].routes[1].on_5xx: not configurable on a webhook route",
         "upstreams[0].routes[1].webhook.correlate[0].to: correlation by external_id is not supported",
         "upstreams[0].routes[1].webhook.outcome: settling calls by event needs `verify`",
+        "upstreams[0].routes[1].webhook.correlate: correlating events with calls needs `verify`",
         "upstreams[0].routes[2].webhook.verify.scheme: expected one of standard_webhooks | stripe | hmac_sha256, found `pgp`",
         "upstreams[0].routes[3].webhook: only meaningful on class: webhook routes",
     ] {

@@ -64,7 +64,14 @@ pub async fn admit(
             );
         }
     }
-    let json: Option<serde_json::Value> = serde_json::from_slice(&body).ok();
+    // Parsed only when something reads it (a header event id and no correlation: never).
+    let wants_json =
+        matches!(spec.event_id, webhook::EventIdFrom::Json(_)) || !spec.correlate.is_empty();
+    let json: Option<serde_json::Value> = if wants_json {
+        serde_json::from_slice(&body).ok()
+    } else {
+        None
+    };
     let event_id = match webhook::event_id(&spec.event_id, &parts.headers, json.as_ref()) {
         Ok(id) if id.len() <= cfg.limits.max_key_bytes => id,
         Ok(id) => {
