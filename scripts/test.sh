@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The project's test command (README "Quick start"; CI calls it through .ci/run).
 # Sets up what the tests need on a fresh machine (Debian's Chromium and the pinned
-# playwright-core driver for the console test), then the lint gates, then every test:
+# playwright-core driver for the console test, a Python venv with the pinned webhook
+# reference libraries of tests/requirements.txt), then the lint gates, then every test:
 # unit, integration (real binary, real redb, SIGKILL), PostgreSQL store tests against the
 # real server, the crash matrix (failpoints feature) and the console in headless Chromium.
 set -euo pipefail
@@ -22,6 +23,20 @@ if ! command -v faketime >/dev/null 2>&1; then
   $SUDO apt-get update -qq
   $SUDO apt-get install -y -qq --no-install-recommends faketime
 fi
+if ! command -v python3 >/dev/null 2>&1 || ! python3 -c "import ensurepip, venv" >/dev/null 2>&1; then
+  # tests/webhooks.rs signs deliveries with the providers' reference libraries (PyPI).
+  echo "[test] installing Debian's python3 and python3-venv for the webhook signature tests" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends python3 python3-venv
+fi
+# Pinned Python test dependencies (tests/requirements.txt) in a venv of their own.
+if [ ! -x target/test-venv/bin/python ]; then
+  python3 -m venv target/test-venv
+fi
+target/test-venv/bin/pip install -q --disable-pip-version-check -r tests/requirements.txt
+export IDEMPROXY_TEST_PYTHON="$PWD/target/test-venv/bin/python"
 if [ ! -d tests/browser/node_modules ]; then
   (cd tests/browser && npm ci --no-audit --no-fund --silent)
 fi

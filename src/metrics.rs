@@ -31,6 +31,8 @@ pub struct Metrics {
     pub duplicates_prevented: Family<RouteLabels, Counter>,
     pub outcome_unknown: Family<RouteLabels, Counter>,
     pub reconciliations: Family<ResultLabels, Counter>,
+    /// Webhook deliveries by result (SPEC section 9.1).
+    pub webhooks: Family<ResultLabels, Counter>,
     pub unprotected: Family<RouteLabels, Counter>,
     /// Side-effect calls answered without sending, by why (`key_mismatch`, `in_flight`,
     /// `approval_required`).
@@ -62,6 +64,7 @@ impl Metrics {
         let duplicates_prevented = Family::<RouteLabels, Counter>::default();
         let outcome_unknown = Family::<RouteLabels, Counter>::default();
         let reconciliations = Family::<ResultLabels, Counter>::default();
+        let webhooks = Family::<ResultLabels, Counter>::default();
         let unprotected = Family::<RouteLabels, Counter>::default();
         let refusals = Family::<ResultLabels, Counter>::default();
         let approvals = Family::<ResultLabels, Counter>::default();
@@ -91,6 +94,11 @@ impl Metrics {
             "idemproxy_reconciliations",
             "Reconciliations of unknown outcomes, by result",
             reconciliations.clone(),
+        );
+        registry.register(
+            "idemproxy_webhooks",
+            "Webhook deliveries by result: forwarded, replayed, signature_rejected, correlated, uncorrelated",
+            webhooks.clone(),
         );
         registry.register(
             "idemproxy_unprotected",
@@ -124,6 +132,7 @@ impl Metrics {
             duplicates_prevented,
             outcome_unknown,
             reconciliations,
+            webhooks,
             unprotected,
             refusals,
             approvals,
@@ -153,6 +162,16 @@ impl Metrics {
             upstream: upstream.to_string(),
             route: route.to_string(),
         }
+    }
+
+    pub fn webhook(&self, upstream: &str, route: &str, result: &str) {
+        self.webhooks
+            .get_or_create(&ResultLabels {
+                upstream: upstream.to_string(),
+                route: route.to_string(),
+                result: result.to_string(),
+            })
+            .inc();
     }
 
     pub fn reconciled(&self, upstream: &str, route: &str, result: &str) {

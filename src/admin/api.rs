@@ -19,6 +19,7 @@ use super::{console, view, Admin};
 use crate::config::Scope;
 use crate::metrics::Metrics;
 use crate::policy::identity::ExecutionId;
+use crate::policy::job::JobState;
 use crate::policy::state::State;
 use crate::store::{ListFilter, Record};
 use crate::wire::body::{full, ProxyBody, RequestBody};
@@ -39,6 +40,8 @@ enum Endpoint {
     Readyz,
     Metrics,
     List,
+    /// `GET /v1/jobs?state=`: background jobs (SPEC section 9.2).
+    Jobs,
     Show(ExecutionId),
     Approve(ExecutionId),
     Reject(ExecutionId),
@@ -61,9 +64,11 @@ impl Endpoint {
     fn needs(&self) -> Option<(Scope, &'static str)> {
         Some(match self {
             Endpoint::Console(_) | Endpoint::Healthz | Endpoint::Readyz => return None,
-            Endpoint::Metrics | Endpoint::List | Endpoint::Show(_) | Endpoint::Operation(_) => {
-                (Scope::View, "read executions")
-            }
+            Endpoint::Metrics
+            | Endpoint::List
+            | Endpoint::Jobs
+            | Endpoint::Show(_)
+            | Endpoint::Operation(_) => (Scope::View, "read executions"),
             Endpoint::Approve(_) => (Scope::Approve, "approve calls"),
             Endpoint::Reject(_) => (Scope::Approve, "reject calls"),
             Endpoint::Resolve(_) => (Scope::Resolve, "resolve unknown outcomes"),
@@ -124,6 +129,7 @@ fn route(method: &Method, path: &str) -> Result<Endpoint, AdminError> {
         ["readyz"] => ("GET", Endpoint::Readyz),
         ["metrics"] => ("GET", Endpoint::Metrics),
         ["v1", "executions"] => ("GET", Endpoint::List),
+        ["v1", "jobs"] => ("GET", Endpoint::Jobs),
         ["v1", "executions", e] if !e.is_empty() => ("GET", Endpoint::Show(id(e))),
         ["v1", "executions", e, "approve"] if !e.is_empty() => ("POST", Endpoint::Approve(id(e))),
         ["v1", "executions", e, "reject"] if !e.is_empty() => ("POST", Endpoint::Reject(id(e))),
@@ -195,6 +201,26 @@ async fn dispatch(
                     items: records.iter().map(view::Summary::of).collect(),
                     next,
                 },
+            ))
+        }
+        Endpoint::Jobs => {
+            let want = job_state(req.uri().query())?;
+            let (items, complete) = jobs(store, want).await?;
+            let views: Vec<_> = items
+                .iter()
+                .filter_map(|r| {
+                    r.job.as_ref().map(|job| view::JobView {
+                        execution_id: r.id.as_str(),
+                        upstream: &r.upstream,
+                        route: &r.route,
+                        state: r.state(),
+                        job,
+                    })
+                })
+                .collect();
+            Ok(json(
+                StatusCode::OK,
+                &serde_json::json!({ "items": views, "complete": complete }),
             ))
         }
         Endpoint::Show(id) => match store.get(&id).await? {
@@ -298,6 +324,61 @@ fn mark_retention(cfg: &crate::config::Config) -> std::time::Duration {
         .iter()
         .flat_map(|u| u.routes.iter().map(|r| r.retention))
         .fold(cfg.store.retention, std::cmp::max)
+}
+
+fn job_state(query: Option<&str>) -> Result<Option<JobState>, AdminError> {
+    let mut want = None;
+    for (k, v) in form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
+        match k.as_ref() {
+            "state" => want = Some(JobState::from_str(&v).map_err(AdminError::BadRequest)?),
+            other => {
+                return Err(AdminError::BadRequest(format!(
+                    "unknown query parameter `{other}` (expected state)"
+                )))
+            }
+        }
+    }
+    Ok(want)
+}
+
+/// Most records `GET /v1/jobs` reads: the stores keep no index of jobs, so the listing is
+/// a scan, bounded (`complete: false` says it stopped there).
+const JOB_SCAN: usize = 10_000;
+
+/// The records with a job (in `want`, when given), from one bounded scan of every record
+/// in id order (filtering by state would race a record's move from `committed` to
+/// `result_delivered` and could show it twice or not at all).
+async fn jobs(
+    store: &dyn crate::store::Store,
+    want: Option<JobState>,
+) -> Result<(Vec<crate::store::Record>, bool), AdminError> {
+    let mut found = Vec::new();
+    let mut scanned = 0;
+    let mut after = None;
+    loop {
+        let page = store
+            .list(&ListFilter {
+                after: after.clone(),
+                limit: MAX_PAGE,
+                ..ListFilter::default()
+            })
+            .await?;
+        scanned += page.len();
+        let last = page.last().map(|r| r.id.clone());
+        let full = page.len() == MAX_PAGE;
+        found.extend(page.into_iter().filter(|r| {
+            r.job
+                .as_ref()
+                .is_some_and(|j| want.is_none_or(|w| j.state == w))
+        }));
+        if !full {
+            return Ok((found, true));
+        }
+        if scanned >= JOB_SCAN {
+            return Ok((found, false));
+        }
+        after = last;
+    }
 }
 
 fn list_filter(query: Option<&str>) -> Result<ListFilter, AdminError> {

@@ -71,6 +71,10 @@ pub struct Detail<'a> {
     pub expires_at_ms: i64,
     pub response: Option<ResponseView>,
     pub history: &'a [HistoryEntry],
+    /// Webhook events correlated to the call (SPEC section 9.1).
+    pub events: &'a [crate::store::record::WebhookEvent],
+    /// The background job the call started (SPEC section 9.2).
+    pub job: Option<&'a crate::store::record::Job>,
 }
 
 impl<'a> Detail<'a> {
@@ -87,6 +91,8 @@ impl<'a> Detail<'a> {
             expires_at_ms: r.expires_at_ms,
             response: r.response.as_ref().map(ResponseView::of),
             history: &r.history,
+            events: &r.events,
+            job: r.job.as_ref(),
         }
     }
 }
@@ -195,4 +201,14 @@ impl<'a> Operation<'a> {
             truncated: s.truncated,
         }
     }
+}
+
+/// One job in `GET /v1/jobs`: the call that started it and the job.
+#[derive(Serialize)]
+pub struct JobView<'a> {
+    pub execution_id: &'a str,
+    pub upstream: &'a str,
+    pub route: &'a str,
+    pub state: State,
+    pub job: &'a crate::store::record::Job,
 }

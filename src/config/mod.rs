@@ -211,6 +211,9 @@ pub struct Upstream {
 pub enum Class {
     SideEffect,
     ReadOnly,
+    /// Fronts the application's webhook receiver (SPEC section 9.1): a side effect keyed
+    /// by the event id, see `Route::webhook`.
+    Webhook,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -273,6 +276,10 @@ pub struct Route {
     pub timeout: Duration,
     /// JSON pointer to the downstream's own id in a committed answer (default `/id`).
     pub external_id: Option<String>,
+    /// `class: webhook` only: the event id, signature and correlation rules.
+    pub webhook: Option<std::sync::Arc<crate::policy::webhook::WebhookSpec>>,
+    /// `job:` (side-effect routes): the job id pointer into the committed answer.
+    pub job: Option<crate::policy::job::JobSpec>,
 }
 
 #[derive(Debug, Clone)]
@@ -414,14 +421,22 @@ impl Config {
                 let class = match r.class {
                     Class::SideEffect => "side_effect",
                     Class::ReadOnly => "read_only",
+                    Class::Webhook => "webhook",
                 };
                 let key = match (r.class, r.key_required) {
                     (Class::ReadOnly, _) => "-",
+                    (Class::Webhook, _) => "event",
                     (_, true) => "req",
                     (_, false) => "opt",
                 };
                 let mut details = Vec::new();
-                if r.class == Class::SideEffect {
+                if let Some(w) = &r.webhook {
+                    details.push(match &w.verify {
+                        Some(v) => format!("verify={}", v.scheme.as_str()),
+                        None => "verify=none".into(),
+                    });
+                }
+                if r.class != Class::ReadOnly {
                     details.push(format!("tool={}:{}", r.name, r.tool_version));
                     details.push(match &r.downstream_key {
                         Some(k) => format!(

@@ -116,6 +116,65 @@ pub struct RawRoute {
     pub retry: Option<RawRetry>,
     pub timeout: Option<String>,
     pub external_id: Option<String>,
+    pub webhook: Option<RawWebhook>,
+    pub job: Option<RawJob>,
+}
+
+/// `job:` on a side-effect route (SPEC section 9.2).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawJob {
+    pub id: Option<String>,
+    /// Status polls (observed or proactive): refused by this version.
+    pub status: Option<serde_yaml_ng::Value>,
+}
+
+/// `webhook:` on a `class: webhook` route (SPEC section 9.1).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawWebhook {
+    pub event_id: Option<RawEventId>,
+    pub verify: Option<RawVerify>,
+    #[serde(default)]
+    pub correlate: Vec<RawCorrelate>,
+    pub outcome: Option<RawOutcome>,
+    pub store_body: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawEventId {
+    pub header: Option<String>,
+    pub json: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawVerify {
+    pub scheme: Option<String>,
+    pub secret_env: Option<String>,
+    pub tolerance: Option<String>,
+    /// `hmac_sha256` only.
+    pub header: Option<String>,
+    pub encoding: Option<String>,
+    pub prefix: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawCorrelate {
+    pub json: Option<String>,
+    pub to: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawOutcome {
+    pub status: Option<String>,
+    #[serde(default)]
+    pub succeeded: Vec<String>,
+    #[serde(default)]
+    pub failed: Vec<String>,
 }
 
 #[derive(Debug, Deserialize)]

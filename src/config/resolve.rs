@@ -695,6 +695,8 @@ impl Validator {
             },
             timeout,
             external_id: Some("/id".into()),
+            webhook: None,
+            job: None,
         };
         let ca_file = u.tls.and_then(|t| t.ca_file).map(|f| {
             let p = PathBuf::from(f);
@@ -799,19 +801,82 @@ impl Validator {
             None => default_class,
             Some("side_effect") => Class::SideEffect,
             Some("read_only") => Class::ReadOnly,
-            Some("webhook") => {
-                self.err(format!("{path}.class"), "`webhook` routes are not supported by this version (expected side_effect | read_only)");
-                Class::SideEffect
-            }
+            Some("webhook") => Class::Webhook,
             Some(other) => {
                 self.err(
                     format!("{path}.class"),
-                    format!("expected one of side_effect | read_only, found `{other}`"),
+                    format!("expected one of side_effect | read_only | webhook, found `{other}`"),
                 );
                 Class::SideEffect
             }
         };
+        let webhook = match (class, r.webhook) {
+            (Class::Webhook, Some(w)) => Some(std::sync::Arc::new(
+                self.webhook(&format!("{path}.webhook"), w),
+            )),
+            (Class::Webhook, None) => {
+                self.err(
+                    format!("{path}.webhook"),
+                    "missing: a webhook route needs at least `event_id` (e.g. { header: webhook-id } or { json: /id })",
+                );
+                None
+            }
+            (_, Some(_)) => {
+                self.err(
+                    format!("{path}.webhook"),
+                    "only meaningful on class: webhook routes",
+                );
+                None
+            }
+            (_, None) => None,
+        };
+        if class == Class::Webhook {
+            // The delivery lifecycle fixes these (SPEC section 9.1): the receiver sees the
+            // delivery's execution_id as Idempotency-Key and dedupes by it, so a receiver
+            // 5xx is not stored and a timeout is re-sent under the same key.
+            for (key, set) in [
+                ("downstream_key", r.downstream_key.is_some()),
+                ("on_5xx", r.on_5xx.is_some()),
+                ("approval", r.approval.is_some()),
+                ("reconcile", r.reconcile.is_some()),
+                ("key_required", r.key_required.is_some()),
+                ("external_id", r.external_id.is_some()),
+            ] {
+                if set {
+                    self.err(
+                        format!("{path}.{key}"),
+                        "not configurable on a webhook route (the receiver gets the delivery's execution_id as Idempotency-Key; a 5xx is not stored)",
+                    );
+                }
+            }
+        }
+        let job = r.job.and_then(|j| {
+            if class != Class::SideEffect {
+                self.err(format!("{path}.job"), "only meaningful on side_effect routes");
+                return None;
+            }
+            if j.status.is_some() {
+                self.err(
+                    format!("{path}.job.status"),
+                    "status polls are not supported by this version; a job's state is set by a correlated webhook event",
+                );
+            }
+            match j.id {
+                Some(p) => {
+                    self.pointer(&format!("{path}.job.id"), &p);
+                    Some(crate::policy::job::JobSpec { id: p })
+                }
+                None => {
+                    self.err(format!("{path}.job.id"), "missing (e.g. /job_id)");
+                    None
+                }
+            }
+        });
         let downstream_key = match r.downstream_key {
+            None if class == Class::Webhook => Some(DownstreamKey {
+                header: HeaderName::from_static("idempotency-key"),
+                replays: true,
+            }),
             None => Some(DownstreamKey {
                 header: HeaderName::from_static("idempotency-key"),
                 replays: false,
@@ -848,7 +913,11 @@ impl Validator {
         let on_5xx = self.one_of(
             &format!("{path}.on_5xx"),
             r.on_5xx.as_deref(),
-            On5xx::OutcomeUnknown,
+            if class == Class::Webhook {
+                On5xx::FailedBeforeCommit
+            } else {
+                On5xx::OutcomeUnknown
+            },
             &[
                 ("outcome_unknown", On5xx::OutcomeUnknown),
                 ("failed_before_commit", On5xx::FailedBeforeCommit),
@@ -923,6 +992,7 @@ impl Validator {
             .reconcile
             .and_then(|rc| self.reconcile(&format!("{path}.reconcile"), rc, &rpath, timeout));
         let external_id = match r.external_id.as_deref() {
+            _ if class == Class::Webhook => None,
             Some("none") => None,
             Some(p) => {
                 self.pointer(&format!("{path}.external_id"), p);
@@ -947,7 +1017,181 @@ impl Validator {
             retention,
             retry,
             timeout,
+            webhook,
+            job,
         })
+    }
+
+    /// A webhook route's `webhook:` block (SPEC section 9.1). The secret is read from the
+    /// environment here; an unset variable leaves the route refusing every delivery.
+    fn webhook(&mut self, path: &str, w: RawWebhook) -> crate::policy::webhook::WebhookSpec {
+        use crate::policy::webhook::{
+            secret, Encoding, EventIdFrom, OutcomeSpec, Scheme, Verify, WebhookSpec,
+        };
+        let event_id = match w.event_id {
+            Some(RawEventId {
+                header: Some(h),
+                json: None,
+            }) => EventIdFrom::Header(
+                self.header(&format!("{path}.event_id.header"), &h)
+                    .unwrap_or(HeaderName::from_static("webhook-id")),
+            ),
+            Some(RawEventId {
+                header: None,
+                json: Some(p),
+            }) => {
+                self.pointer(&format!("{path}.event_id.json"), &p);
+                EventIdFrom::Json(p)
+            }
+            None => EventIdFrom::Header(HeaderName::from_static("webhook-id")),
+            Some(_) => {
+                self.err(
+                    format!("{path}.event_id"),
+                    "expected exactly one of { header: NAME } or { json: /pointer }",
+                );
+                EventIdFrom::Header(HeaderName::from_static("webhook-id"))
+            }
+        };
+        let verify = w.verify.map(|v| {
+            let vp = format!("{path}.verify");
+            let scheme = match v.scheme.as_deref() {
+                Some("standard_webhooks") => Scheme::StandardWebhooks,
+                Some("stripe") => Scheme::Stripe,
+                Some("hmac_sha256") => {
+                    let header = match v.header.as_deref() {
+                        Some(h) => self
+                            .header(&format!("{vp}.header"), h)
+                            .unwrap_or(HeaderName::from_static("x-signature")),
+                        None => {
+                            self.err(
+                                format!("{vp}.header"),
+                                "missing: the header that carries the signature (e.g. X-Hub-Signature-256)",
+                            );
+                            HeaderName::from_static("x-signature")
+                        }
+                    };
+                    let encoding = self.one_of(
+                        &format!("{vp}.encoding"),
+                        v.encoding.as_deref(),
+                        Encoding::Hex,
+                        &[("hex", Encoding::Hex), ("base64", Encoding::Base64)],
+                    );
+                    Scheme::HmacSha256 {
+                        header,
+                        encoding,
+                        prefix: v.prefix.clone().unwrap_or_default(),
+                    }
+                }
+                other => {
+                    self.err(
+                        format!("{vp}.scheme"),
+                        format!(
+                            "expected one of standard_webhooks | stripe | hmac_sha256, found `{}`",
+                            other.unwrap_or("nothing")
+                        ),
+                    );
+                    Scheme::StandardWebhooks
+                }
+            };
+            if !matches!(scheme, Scheme::HmacSha256 { .. })
+                && (v.header.is_some() || v.encoding.is_some() || v.prefix.is_some())
+            {
+                self.err(
+                    vp.clone(),
+                    "header, encoding and prefix are only meaningful with scheme: hmac_sha256",
+                );
+            }
+            let tolerance = self.duration(
+                &format!("{vp}.tolerance"),
+                v.tolerance.as_deref(),
+                Duration::from_secs(300),
+            );
+            let secret = match v.secret_env.as_deref() {
+                Some(env) if !env.is_empty() => match std::env::var(env) {
+                    Ok(value) => match secret(&scheme, &value) {
+                        Ok(s) => Ok(s),
+                        Err(why) => {
+                            self.err(format!("{vp}.secret_env"), format!("${env}: {why}"));
+                            Err(why)
+                        }
+                    },
+                    Err(_) => Err(format!("${env} is not set")),
+                },
+                _ => {
+                    self.err(
+                        format!("{vp}.secret_env"),
+                        "missing: name the environment variable that holds the secret",
+                    );
+                    Err("no secret_env".into())
+                }
+            };
+            Verify {
+                scheme,
+                secret,
+                tolerance,
+            }
+        });
+        let mut correlate = Vec::new();
+        for (i, c) in w.correlate.into_iter().enumerate() {
+            let cp = format!("{path}.correlate[{i}]");
+            match c.to.as_deref() {
+                None | Some("execution_id") => {}
+                Some("external_id") => self.err(
+                    format!("{cp}.to"),
+                    "correlation by external_id is not supported by this version (use execution_id: the key the proxy injected downstream)",
+                ),
+                Some(other) => self.err(
+                    format!("{cp}.to"),
+                    format!("expected execution_id, found `{other}`"),
+                ),
+            }
+            match c.json {
+                Some(p) => {
+                    self.pointer(&format!("{cp}.json"), &p);
+                    correlate.push(p);
+                }
+                None => self.err(
+                    format!("{cp}.json"),
+                    "missing (e.g. /request/idempotency_key)",
+                ),
+            }
+        }
+        let outcome = w.outcome.map(|o| {
+            let status = o.status.unwrap_or_else(|| "/type".into());
+            self.pointer(&format!("{path}.outcome.status"), &status);
+            OutcomeSpec {
+                status,
+                succeeded: o.succeeded,
+                failed: o.failed,
+            }
+        });
+        if !correlate.is_empty() && verify.is_none() {
+            self.err(
+                format!("{path}.correlate"),
+                "correlating events with calls needs `verify`: an unsigned event could otherwise write into any call's record",
+            );
+        }
+        if outcome.as_ref().is_some_and(|o| !o.succeeded.is_empty()) {
+            if verify.is_none() {
+                self.err(
+                    format!("{path}.outcome"),
+                    "settling calls by event needs `verify`: an unsigned event could otherwise mark any call as committed",
+                );
+            }
+            if correlate.is_empty() {
+                self.err(
+                    format!("{path}.outcome"),
+                    "needs `correlate`: the pointers that name the call an event is about",
+                );
+            }
+        }
+        WebhookSpec {
+            event_id,
+            verify,
+            correlate,
+            outcome,
+            store_body: w.store_body.unwrap_or(false),
+        }
     }
 
     fn reconcile(

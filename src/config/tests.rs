@@ -275,3 +275,42 @@ fn empty_url_env_repeated_params_and_long_values() {
     assert!(text.len() < 2000, "{} bytes", text.len());
     assert!(text.contains("bytes in all"), "{text}");
 }
+
+#[test]
+fn webhook_routes_fix_the_core_settings_and_refuse_unsafe_settling() {
+    let cfg = from_yaml(
+        "upstreams:\n  - name: app\n    url: http://127.0.0.1:1\n    routes:\n      - name: hooks\n        match: { method: POST, path: /hooks }\n        class: webhook\n        webhook: { event_id: { json: /id } }\n",
+        Path::new("cfg.yaml"),
+    )
+    .expect("valid");
+    let r = &cfg.upstreams[0].routes[0];
+    assert_eq!(r.class, Class::Webhook);
+    assert_eq!(r.on_5xx, On5xx::FailedBeforeCommit);
+    let dk = r.downstream_key.as_ref().expect("a downstream key");
+    assert_eq!(dk.header.as_str(), "idempotency-key");
+    assert!(
+        dk.replays,
+        "a timed-out delivery is re-sent under the same key"
+    );
+    assert!(r.external_id.is_none());
+    let w = r.webhook.as_ref().expect("webhook spec");
+    assert_eq!(
+        w.event_id,
+        crate::policy::webhook::EventIdFrom::Json("/id".into())
+    );
+
+    let text = errors(
+        "upstreams:\n  - name: app\n    url: http://127.0.0.1:1\n    routes:\n      - name: a\n        match: { method: POST, path: /a }\n        class: webhook\n      - name: b\n        match: { method: POST, path: /b }\n        class: webhook\n        on_5xx: committed\n        webhook:\n          correlate: [{ json: /x, to: external_id }]\n          outcome: { succeeded: [ok] }\n      - name: c\n        match: { method: POST, path: /c }\n        class: webhook\n        webhook: { verify: { scheme: pgp, secret_env: S } }\n      - name: d\n        match: { method: POST, path: /d }\n        webhook: { event_id: { header: x } }\n",
+    );
+    for want in [
+        "upstreams[0].routes[0].webhook: missing",
+        "upstreams[0].routes[1].on_5xx: not configurable on a webhook route",
+        "upstreams[0].routes[1].webhook.correlate[0].to: correlation by external_id is not supported",
+        "upstreams[0].routes[1].webhook.outcome: settling calls by event needs `verify`",
+        "upstreams[0].routes[1].webhook.correlate: correlating events with calls needs `verify`",
+        "upstreams[0].routes[2].webhook.verify.scheme: expected one of standard_webhooks | stripe | hmac_sha256, found `pgp`",
+        "upstreams[0].routes[3].webhook: only meaningful on class: webhook routes",
+    ] {
+        assert!(text.contains(want), "missing `{want}` in\n{text}");
+    }
+}

@@ -5,6 +5,8 @@
 pub mod classify;
 pub mod fingerprint;
 pub mod identity;
+pub mod job;
 pub mod path;
 pub mod reconcile;
 pub mod state;
+pub mod webhook;

@@ -423,6 +423,8 @@ mod tests {
             },
             timeout: Duration::from_secs(1),
             external_id: Some("/id".into()),
+            webhook: None,
+            job: None,
         }
     }
 

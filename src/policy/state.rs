@@ -139,6 +139,9 @@ pub enum Event {
     /// The approval no longer covers the call (it expired, or the record holds none for
     /// its arguments): an operator must approve again before anything is sent.
     ApprovalLapsed,
+    /// A verified webhook event correlated to the call says its effect happened (SPEC
+    /// section 9.1): the event is the evidence, and its data is the stored answer.
+    SettleByWebhook,
 }
 
 impl Event {
@@ -157,6 +160,7 @@ impl Event {
             Event::Resend => "resend",
             Event::Cancel => "cancel",
             Event::ApprovalLapsed => "approval_lapsed",
+            Event::SettleByWebhook => "settle_by_webhook",
         }
     }
 }
@@ -185,6 +189,10 @@ pub fn transition(from: State, event: Event) -> Result<State, IllegalTransition>
         (S::Executing, E::FailBeforeCommit) => S::FailedBeforeCommit,
         (S::Executing, E::LoseOutcome) => S::OutcomeUnknown,
         (S::OutcomeUnknown, E::ResolveCommitted) => S::Committed,
+        // Only an unknown outcome is settled by an event: a decided record keeps its answer
+        // (a `committed` record's stored result is history), and an executing one is still
+        // owned by the attempt that will learn the answer itself.
+        (S::OutcomeUnknown, E::SettleByWebhook) => S::Committed,
         (S::OutcomeUnknown, E::ResolveNotCommitted) => S::FailedBeforeCommit,
         // Only safe when the downstream dedups keyed requests; policy decides, see reconcile.
         (S::OutcomeUnknown, E::Resend) => S::Executing,
@@ -203,7 +211,7 @@ pub fn transition(from: State, event: Event) -> Result<State, IllegalTransition>
 mod tests {
     use super::*;
 
-    const EVENTS: [Event; 13] = [
+    const EVENTS: [Event; 14] = [
         Event::RequestApproval,
         Event::Approve,
         Event::Reject,
@@ -217,6 +225,7 @@ mod tests {
         Event::Resend,
         Event::Cancel,
         Event::ApprovalLapsed,
+        Event::SettleByWebhook,
     ];
 
     /// The full table, written independently of `transition` so the test can fail.
@@ -253,6 +262,7 @@ mod tests {
                 S::FailedBeforeCommit,
             ),
             (S::OutcomeUnknown, E::Resend, S::Executing),
+            (S::OutcomeUnknown, E::SettleByWebhook, S::Committed),
         ];
         table
             .iter()
@@ -275,7 +285,7 @@ mod tests {
                 }
             }
         }
-        assert_eq!(legal, 21);
+        assert_eq!(legal, 22);
     }
 
     #[test]
@@ -317,6 +327,18 @@ mod tests {
         // Only an explicit resolution may move it; a plain retry (`Start`) may not.
         assert!(transition(State::OutcomeUnknown, Event::Start).is_err());
         assert!(transition(State::OutcomeUnknown, Event::FailBeforeCommit).is_err());
+    }
+
+    #[test]
+    fn a_webhook_settles_only_an_unknown_outcome() {
+        for from in State::ALL {
+            let got = transition(from, Event::SettleByWebhook);
+            if from == State::OutcomeUnknown {
+                assert_eq!(got, Ok(State::Committed));
+            } else {
+                assert!(got.is_err(), "{from}");
+            }
+        }
     }
 
     #[test]

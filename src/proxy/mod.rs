@@ -9,6 +9,7 @@ pub mod reconcile;
 pub mod recovery;
 pub mod replay;
 pub mod side_effect;
+pub mod webhook;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -206,6 +207,14 @@ impl Proxy {
             Class::SideEffect => {
                 let admitted = side_effect::admit(self, rt, &target, req, looked).await;
                 self.side_effect(rt, client, target, admitted, peer).await
+            }
+            // A sibling admission (signature, event id, correlation), then the same core.
+            Class::Webhook => {
+                let admitted = Box::pin(webhook::admit(self, rt, &target, req)).await;
+                let (upstream, route) = (target.upstream, target.route);
+                let answer = self.side_effect(rt, client, target, admitted, peer).await;
+                webhook::count(self, &upstream.name, &route.name, &answer);
+                answer
             }
         }
     }

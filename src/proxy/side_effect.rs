@@ -55,6 +55,27 @@ pub struct Admitted {
     raw: RawDigest,
 }
 
+impl Admitted {
+    /// A request whose identity a sibling lifecycle resolved its own way (a webhook
+    /// delivery: the event id, scoped to the route), to run under [`run`] like any call.
+    pub(super) fn new(
+        parts: Parts,
+        body: &Bytes,
+        id: ExecutionId,
+        tenant: TenantScope,
+        raw: RawDigest,
+    ) -> Admitted {
+        let (parts, body) = detach(parts, body);
+        Admitted {
+            parts,
+            body,
+            id,
+            tenant,
+            raw,
+        }
+    }
+}
+
 /// What [`replay_raw`] derived of a keyed request it found no answer in memory for: its key
 /// and raw digest, handed on to [`admit`] so that they are not derived twice.
 pub struct Looked {
@@ -358,7 +379,7 @@ pub async fn run(
 
 /// Buffer the request body up to the limit; a side effect must be hashed and may be sent
 /// again under the same identity, so it cannot be streamed.
-async fn read_body(
+pub(super) async fn read_body(
     incoming: RequestBody,
     parts: &Parts,
     limit: usize,
@@ -1151,11 +1172,7 @@ impl Call<'_> {
         mut record: Record,
         stored: StoredResponse,
     ) -> Response<ProxyBody> {
-        record.external_id = self
-            .route()
-            .external_id
-            .as_deref()
-            .and_then(|p| external_id(&stored, p));
+        annotate(self.route(), &mut record, &stored);
         record.response = Some(stored.clone());
         match self.transition(record, Event::Commit, None).await {
             Ok(r) => {
@@ -1190,11 +1207,7 @@ impl Call<'_> {
         let state = current.state();
         if state == State::OutcomeUnknown {
             let mut r = current;
-            r.external_id = self
-                .route()
-                .external_id
-                .as_deref()
-                .and_then(|p| external_id(&stored, p));
+            annotate(self.route(), &mut r, &stored);
             r.response = Some(stored);
             let note = Some("late answer from the original attempt".to_string());
             if let Ok(r) = self.transition(r, Event::ResolveCommitted, note).await {
@@ -1360,6 +1373,31 @@ fn preview(body: &[u8], pointers: &[String]) -> serde_json::Value {
         out.insert(p.clone(), v);
     }
     serde_json::Value::Object(out)
+}
+
+/// What a committed answer names: the downstream's own id and, on `job:` routes, the
+/// background job a successful answer started (SPEC section 9.2; its id is the external id).
+fn annotate(route: &Route, record: &mut Record, stored: &StoredResponse) {
+    record.external_id = route
+        .external_id
+        .as_deref()
+        .and_then(|p| external_id(stored, p));
+    let Some(spec) = &route.job else { return };
+    if !(200..300).contains(&stored.status) {
+        return;
+    }
+    if let Some(id) = crate::policy::job::job_id(spec, &stored.body) {
+        let now = now_ms();
+        record.external_id = Some(id.clone());
+        record.job = Some(crate::store::record::Job {
+            id,
+            state: crate::policy::job::JobState::Running,
+            result: None,
+            event: None,
+            started_at_ms: now,
+            updated_at_ms: now,
+        });
+    }
 }
 
 fn external_id(stored: &StoredResponse, pointer: &str) -> Option<String> {

@@ -46,6 +46,39 @@ pub struct HistoryEntry {
     pub note: Option<String>,
 }
 
+/// A verified webhook event that named this call (SPEC section 9.1): who sent it and
+/// what it said; its body only on routes with `store_body: true`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WebhookEvent {
+    /// The event id (the provider's).
+    pub id: String,
+    /// `upstream/route` of the webhook route that received it.
+    pub route: String,
+    #[serde(rename = "type", default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
+    pub at_ms: i64,
+    /// `succeeded`, `failed` or `other` (the route's `outcome` lists).
+    pub verdict: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub body: Option<serde_json::Value>,
+}
+
+/// A background job started by the call (SPEC section 9.2). Its state moves only through
+/// [`crate::policy::job::advance`]; the record's own state and stored answer stay as they are.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Job {
+    pub id: String,
+    pub state: crate::policy::job::JobState,
+    /// What ended it: the event's `data.object` (else the event).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<serde_json::Value>,
+    /// The event that ended it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub event: Option<String>,
+    pub started_at_ms: i64,
+    pub updated_at_ms: i64,
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Record {
     pub id: ExecutionId,
@@ -98,6 +131,12 @@ pub struct Record {
     pub note: Option<String>,
     #[serde(default)]
     pub history: Vec<HistoryEntry>,
+    /// Webhook events correlated to this call (SPEC section 9.1), oldest first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub events: Vec<WebhookEvent>,
+    /// The background job this call started (SPEC section 9.2), on `job:` routes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job: Option<Job>,
     /// The request body as first sent, kept only on routes whose downstream replays keyed
     /// requests: a re-send under the same key must be byte-identical to the original (such
     /// downstreams compare, and reject a reused key with a changed body), even when the
@@ -190,6 +229,8 @@ impl Record {
             response: None,
             note: None,
             history: Vec::new(),
+            events: Vec::new(),
+            job: None,
             sent_body: None,
             send_age: ReadAge(None),
         }

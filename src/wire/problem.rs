@@ -46,6 +46,9 @@ pub enum Kind {
     NotImplemented,
     /// The client sent its request too slowly (`timeouts.client_body`).
     RequestTimeout,
+    /// A webhook delivery whose signature is missing, wrong or outside the tolerance: 401,
+    /// nothing recorded or forwarded (SPEC section 9.1).
+    WebhookSignature,
     Internal,
 }
 
@@ -101,6 +104,7 @@ impl Kind {
             Kind::ApprovalMismatch => "approval-mismatch",
             Kind::NotImplemented => "not-implemented",
             Kind::RequestTimeout => "request-timeout",
+            Kind::WebhookSignature => "webhook-signature",
             Kind::Internal => "internal",
         }
     }
@@ -125,7 +129,7 @@ impl Kind {
             Kind::Rejected | Kind::Forbidden => StatusCode::FORBIDDEN,
             Kind::NoRoute | Kind::RouteUnmatched | Kind::NotFound => StatusCode::NOT_FOUND,
             Kind::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
-            Kind::Unauthorized => StatusCode::UNAUTHORIZED,
+            Kind::Unauthorized | Kind::WebhookSignature => StatusCode::UNAUTHORIZED,
             Kind::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             Kind::NotImplemented => StatusCode::NOT_IMPLEMENTED,
             Kind::RequestTimeout => StatusCode::REQUEST_TIMEOUT,
@@ -162,6 +166,7 @@ impl Kind {
             Kind::ApprovalMismatch => "Approval does not match the execution's arguments",
             Kind::NotImplemented => "Not implemented",
             Kind::RequestTimeout => "Request timed out",
+            Kind::WebhookSignature => "Webhook signature not verified",
             Kind::Internal => "Internal error",
         }
     }
