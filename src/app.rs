@@ -130,6 +130,15 @@ pub async fn start(cfg: Config, store: Arc<dyn Store>) -> anyhow::Result<Running
         Some(a) => Some((a.listen, crate::admin::Tokens::from_env(&a.tokens)?)),
         None => None,
     };
+    let notify = match cfg.admin.as_ref().and_then(|a| a.notify.clone()) {
+        Some(n) => {
+            let secret = crate::admin::auth::notify_secret(&n.secret_env)?;
+            let client = crate::wire::client::build(cfg.timeouts.connect, None)
+                .context("building the notification client")?;
+            Some((n, secret, client))
+        }
+        None => None,
+    };
     let lease = cfg.store.lease;
     let gc_every = cfg.store.gc_interval;
     let reconcile_every = cfg.store.reconcile_interval;
@@ -170,6 +179,9 @@ pub async fn start(cfg: Config, store: Arc<dyn Store>) -> anyhow::Result<Running
     // First pass right away: what a crashed predecessor left unknown is looked up now,
     // not when its client happens to retry.
     let reconciler = crate::proxy::reconcile::spawn(proxy.clone(), reconcile_every);
+    // Calls waiting for a person are announced (admin.notify); the store is the outbox.
+    let notifier = notify
+        .map(|(n, secret, client)| crate::admin::notify::spawn(n, secret, store.clone(), client));
     let p = proxy.clone();
     let options = crate::wire::server::Options {
         max_header_bytes,
@@ -189,6 +201,9 @@ pub async fn start(cfg: Config, store: Arc<dyn Store>) -> anyhow::Result<Running
         keeper.abort();
         gc.abort();
         reconciler.abort();
+        if let Some(n) = notifier {
+            n.abort();
+        }
     });
     tracing::info!(%addr, "proxy listening");
     Ok(Running {

@@ -32,6 +32,28 @@ pub enum TokenError {
          of them made a decision; give each its own"
     )]
     Shared(String, String),
+    #[error(
+        "admin.notify.secret_env names the environment variable {0}, but {1}: set it to the \
+         receiver's signing secret, `whsec_` + base64 (Standard Webhooks)"
+    )]
+    NotifySecret(String, &'static str),
+}
+
+/// The signing secret of `admin.notify`, read once from its variable: `whsec_` + base64.
+pub fn notify_secret(var: &str) -> Result<Vec<u8>, TokenError> {
+    let value = match std::env::var(var) {
+        Ok(v) if !v.trim().is_empty() => v,
+        Ok(_) => return Err(TokenError::NotifySecret(var.into(), "it is empty")),
+        Err(_) => return Err(TokenError::NotifySecret(var.into(), "it is not set")),
+    };
+    if !value.trim().starts_with("whsec_") {
+        return Err(TokenError::NotifySecret(
+            var.into(),
+            "its value does not start with `whsec_`",
+        ));
+    }
+    crate::policy::webhook::secret(&crate::policy::webhook::Scheme::StandardWebhooks, &value)
+        .map_err(|_| TokenError::NotifySecret(var.into(), "its value is not base64 after `whsec_`"))
 }
 
 /// The admin tokens of a config: who a request is, and what it may do.

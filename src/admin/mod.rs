@@ -14,6 +14,7 @@ mod api;
 pub mod auth;
 mod console;
 mod error;
+pub mod notify;
 pub mod view;
 
 use std::net::SocketAddr;

@@ -43,6 +43,37 @@ pub struct AdminConfig {
     /// The bearer tokens the admin listener admits: `admin.token_env` (one token with every
     /// scope, named `admin`) and the named `admin.tokens`.
     pub tokens: Vec<AdminToken>,
+    /// `admin.notify`: signed notifications when a call starts waiting for a person.
+    pub notify: Option<NotifyConfig>,
+}
+
+/// Where and what `admin::notify` posts (Standard Webhooks, signed with the secret in
+/// `secret_env`, `whsec_` + base64).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NotifyConfig {
+    pub url: http::Uri,
+    pub secret_env: String,
+    pub events: Vec<NotifyEvent>,
+    /// One delivery attempt's deadline.
+    pub timeout: Duration,
+}
+
+/// What a notification is about: a record that entered a state a person has to act on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NotifyEvent {
+    ApprovalRequired,
+    OutcomeUnknown,
+}
+
+impl NotifyEvent {
+    pub const ALL: [NotifyEvent; 2] = [NotifyEvent::ApprovalRequired, NotifyEvent::OutcomeUnknown];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            NotifyEvent::ApprovalRequired => "approval_required",
+            NotifyEvent::OutcomeUnknown => "outcome_unknown",
+        }
+    }
 }
 
 /// One admin token: its name (recorded with every decision it makes), the environment
@@ -382,6 +413,16 @@ impl Config {
         let _ = writeln!(out, "listen {}", self.listen);
         if let Some(a) = &self.admin {
             let _ = writeln!(out, "admin  {}", a.listen);
+            if let Some(n) = &a.notify {
+                let events: Vec<&str> = n.events.iter().map(|e| e.name()).collect();
+                let _ = writeln!(
+                    out,
+                    "  notify POST {} ({}), signed with ${}",
+                    n.url,
+                    events.join(", "),
+                    n.secret_env
+                );
+            }
             for t in &a.tokens {
                 let scopes: Vec<&str> = t.scopes.iter().map(|s| s.name()).collect();
                 let _ = writeln!(

@@ -29,6 +29,17 @@ pub struct RawAdmin {
     pub listen: Option<String>,
     pub token_env: Option<String>,
     pub tokens: Option<Vec<RawAdminToken>>,
+    pub notify: Option<RawNotify>,
+}
+
+/// `admin.notify`: where signed notifications of calls that need a person go.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawNotify {
+    pub url: Option<String>,
+    pub secret_env: Option<String>,
+    pub events: Option<Vec<String>>,
+    pub timeout: Option<String>,
 }
 
 /// One named admin token: `{ name, token_env, scopes: [view, approve, ...] }`.

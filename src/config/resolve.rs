@@ -261,7 +261,72 @@ impl Validator {
                 scopes,
             });
         }
-        AdminConfig { listen, tokens }
+        let notify = a.notify.and_then(|n| self.notify(n));
+        AdminConfig {
+            listen,
+            tokens,
+            notify,
+        }
+    }
+
+    fn notify(&mut self, n: RawNotify) -> Option<NotifyConfig> {
+        let url = match n.url.as_deref().map(http::Uri::from_str) {
+            Some(Ok(u))
+                if matches!(u.scheme_str(), Some("http" | "https")) && u.host().is_some() =>
+            {
+                Some(u)
+            }
+            Some(_) => {
+                self.err(
+                    "admin.notify.url",
+                    "expected an absolute http:// or https:// URL",
+                );
+                None
+            }
+            None => {
+                self.err(
+                    "admin.notify.url",
+                    "missing: where notifications are posted",
+                );
+                None
+            }
+        };
+        let secret_env = match n.secret_env {
+            Some(e) if !e.trim().is_empty() => Some(e),
+            _ => {
+                self.err(
+                    "admin.notify.secret_env",
+                    "missing or empty: name the variable holding the signing secret (whsec_ + base64)",
+                );
+                None
+            }
+        };
+        let mut events = Vec::new();
+        match n.events {
+            None => events.extend(NotifyEvent::ALL),
+            Some(list) => {
+                for (i, e) in list.iter().enumerate() {
+                    match NotifyEvent::ALL.iter().find(|k| k.name() == e) {
+                        Some(&k) => events.push(k),
+                        None => self.err(
+                            format!("admin.notify.events[{i}]"),
+                            format!("expected approval_required or outcome_unknown, found `{e}`"),
+                        ),
+                    }
+                }
+            }
+        }
+        let timeout = self.duration(
+            "admin.notify.timeout",
+            n.timeout.as_deref(),
+            Duration::from_secs(10),
+        );
+        Some(NotifyConfig {
+            url: url?,
+            secret_env: secret_env?,
+            events,
+            timeout,
+        })
     }
 
     fn addr(&mut self, path: &str, v: Option<&str>, default: &str) -> SocketAddr {
