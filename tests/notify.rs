@@ -23,10 +23,13 @@ use serde_json::{json, Value};
 const SECRET: &str = "whsec_bm90aWZ5LXNlY3JldC0wMTIzNDU2Nzg5YWJjZA==";
 const TENANT: (&str, &str) = ("authorization", "Bearer tenant-a");
 
+/// One request the receiver got: its headers and body.
+type Received = (Vec<(String, String)>, String);
+
 /// What the receiver saw, and how many requests it still refuses with 503.
 #[derive(Default)]
 struct Inbox {
-    messages: Mutex<Vec<(Vec<(String, String)>, String)>>,
+    messages: Mutex<Vec<Received>>,
     refuse: AtomicUsize,
 }
 
