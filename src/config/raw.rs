@@ -72,6 +72,10 @@ pub struct RawIdentity {
     pub derive_from: Option<Vec<String>>,
     pub tenant_from: Option<Vec<String>>,
     pub operation_from: Option<String>,
+    /// MCP: `params._meta` fields joined into a derived key (SPEC section 11).
+    pub derive_from_meta: Option<Vec<String>>,
+    /// MCP: one `params._meta` field holding a whole key.
+    pub key_meta: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -95,6 +99,18 @@ pub struct RawUpstream {
     pub tls: Option<RawTls>,
     #[serde(default)]
     pub routes: Vec<RawRoute>,
+    /// `http` (default) or `mcp` (SPEC section 11).
+    pub protocol: Option<String>,
+    pub mcp: Option<RawMcp>,
+}
+
+/// `mcp: { unlisted, tools: { NAME: { class, tool_version, ... } } }`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawMcp {
+    pub unlisted: Option<String>,
+    #[serde(default)]
+    pub tools: BTreeMap<String, RawRoute>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -500,11 +500,25 @@ impl Validator {
             Some(h) => self.header("identity.operation_from", &h),
             None => derive_from.first().cloned(),
         };
+        let derive_from_meta = i.derive_from_meta.unwrap_or_default();
+        for (n, f) in derive_from_meta.iter().enumerate() {
+            if f.is_empty() {
+                self.err(
+                    format!("identity.derive_from_meta[{n}]"),
+                    "empty `_meta` field name",
+                );
+            }
+        }
+        if i.key_meta.as_deref() == Some("") {
+            self.err("identity.key_meta", "empty `_meta` field name");
+        }
         IdentityConfig {
             key_header,
             derive_from,
             tenant_from,
             operation_from,
+            derive_from_meta,
+            key_meta: i.key_meta,
         }
     }
 
@@ -603,6 +617,40 @@ impl Validator {
             timeout,
             external_id: Some("/id".into()),
         };
+        let mcp = match u.protocol.as_deref() {
+            None | Some("http") => {
+                if u.mcp.is_some() {
+                    self.err(
+                        format!("{path}.mcp"),
+                        "only meaningful with `protocol: mcp`",
+                    );
+                }
+                None
+            }
+            Some("mcp") => {
+                if !routes.is_empty() {
+                    self.err(
+                        format!("{path}.routes"),
+                        "an MCP upstream has no HTTP routes; classify its tools under `mcp.tools`",
+                    );
+                }
+                let unlisted_route = Route {
+                    name: "unlisted".into(),
+                    tool_version: "v1".into(),
+                    key_required: true,
+                    external_id: None,
+                    ..fallback(Class::SideEffect, "unlisted")
+                };
+                Some(self.mcp(path, u.mcp, store, timeout, unlisted_route))
+            }
+            Some(other) => {
+                self.err(
+                    format!("{path}.protocol"),
+                    format!("expected one of http | mcp, found `{other}`"),
+                );
+                None
+            }
+        };
         let ca_file = u.tls.and_then(|t| t.ca_file).map(|f| {
             let p = PathBuf::from(f);
             if p.is_relative() {
@@ -638,7 +686,94 @@ impl Validator {
             base_path,
             mount,
             routes,
+            mcp,
         })
+    }
+
+    /// `mcp:` of a `protocol: mcp` upstream: each tool entry is validated as a route (the
+    /// same keys, no `match`: a tool is found by its name).
+    fn mcp(
+        &mut self,
+        path: &str,
+        m: Option<RawMcp>,
+        store: &StoreConfig,
+        timeout: Duration,
+        unlisted_route: Route,
+    ) -> McpConfig {
+        let m = m.unwrap_or(RawMcp {
+            unlisted: None,
+            tools: Default::default(),
+        });
+        let unlisted = match m.unlisted.as_deref() {
+            None | Some("side_effect") => Unlisted::SideEffect,
+            Some("reject") => Unlisted::Reject,
+            Some("by_annotations") => {
+                self.err(
+                    format!("{path}.mcp.unlisted"),
+                    "`by_annotations` is not supported by this version (expected side_effect | reject)",
+                );
+                Unlisted::SideEffect
+            }
+            Some(other) => {
+                self.err(
+                    format!("{path}.mcp.unlisted"),
+                    format!("expected one of side_effect | reject, found `{other}`"),
+                );
+                Unlisted::SideEffect
+            }
+        };
+        let mut tools = Vec::new();
+        for (name, mut t) in m.tools {
+            let tp = format!("{path}.mcp.tools.{name}");
+            if name.is_empty() {
+                self.err(&tp, "empty tool name");
+                continue;
+            }
+            let mut ok = true;
+            for (key, set) in [
+                ("match", t.matcher.is_some()),
+                ("name", t.name.is_some()),
+                ("retry", t.retry.is_some()),
+                ("external_id", t.external_id.is_some()),
+            ] {
+                if set {
+                    self.err(
+                        format!("{tp}.{key}"),
+                        "not used on an MCP tool (the tool is found by its name)",
+                    );
+                    ok = false;
+                }
+            }
+            if t.reconcile.is_some() {
+                self.err(
+                    format!("{tp}.reconcile"),
+                    "`reconcile.tool` lookups for MCP tools are not supported by this version",
+                );
+                ok = false;
+            }
+            if !ok {
+                continue;
+            }
+            t.name = Some(name);
+            t.matcher = Some(RawMatch {
+                method: Some("POST".into()),
+                path: Some("/".into()),
+            });
+            t.external_id = Some("none".into());
+            if t.class.is_none() {
+                t.class = Some("side_effect".into());
+            }
+            if let Some(mut route) = self.route(&tp, t, store, timeout) {
+                route.method = None;
+                route.path = String::new();
+                tools.push(route);
+            }
+        }
+        McpConfig {
+            unlisted,
+            tools,
+            unlisted_route,
+        }
     }
 
     fn route(

@@ -5,6 +5,7 @@
 pub mod classify;
 pub mod fingerprint;
 pub mod identity;
+pub mod mcp;
 pub mod path;
 pub mod reconcile;
 pub mod state;

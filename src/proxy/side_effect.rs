@@ -339,7 +339,85 @@ pub async fn run(
         raw,
         tenant,
         peer,
+        proto: None,
     };
+    run_queued(call, queue).await
+}
+
+/// How a sibling lifecycle (MCP `tools/call`, `proxy::mcp`) shapes the edges of this
+/// execution core: how a downstream answer is judged and stored, and how a stored answer
+/// is rendered for its client. Claim, send, record, reconcile and every decision stay
+/// here; an HTTP call has no protocol (`None`, the default path, no dynamic call).
+pub(super) trait Protocol: Send + Sync {
+    /// What a downstream answer is.
+    fn judge(&self, parts: &http::response::Parts, body: &Bytes) -> Judged;
+    /// The client's answer for a stored response (the first answer, or a replay).
+    fn render(
+        &self,
+        stored: &StoredResponse,
+        id: &ExecutionId,
+        replayed: bool,
+    ) -> Response<ProxyBody>;
+    /// The JSON the approval `preview` pointers point into.
+    fn preview_source(&self) -> &[u8];
+}
+
+/// A downstream answer as a [`Protocol`] judges it.
+pub(super) enum Judged {
+    /// An answer to store: committed, or judged by `on_5xx` when `server_error`.
+    Answer {
+        stored: StoredResponse,
+        server_error: bool,
+    },
+    /// The downstream refused the request before running it (kept for the client).
+    Refused(StoredResponse, String),
+    /// The answer to the call never came (a stream that ended without it).
+    Lost(String),
+}
+
+/// A call a sibling lifecycle admitted itself: its identity and `args_hash` derived by
+/// its own policy, `body` exactly what goes downstream.
+pub(super) struct Sibling<'a> {
+    pub parts: Parts,
+    pub body: Bytes,
+    pub id: ExecutionId,
+    pub tenant: TenantScope,
+    pub args: ArgsHash,
+    pub proto: &'a dyn Protocol,
+}
+
+/// Run a sibling lifecycle's call through this core (see [`Protocol`]).
+pub(super) async fn run_sibling(
+    proxy: &Arc<Proxy>,
+    rt: &Runtime,
+    client: &HttpClient,
+    target: &Target<'_>,
+    call: Sibling<'_>,
+    peer: &ClientAddr,
+    queue: Option<Arc<tokio::sync::Semaphore>>,
+) -> Response<ProxyBody> {
+    let call = Call {
+        proxy,
+        rt,
+        client,
+        target,
+        parts: call.parts,
+        body: call.body,
+        id: call.id,
+        args: call.args,
+        // Never looked up: a sibling's answers are not kept in the replay cache.
+        raw: RawDigest([0; 32]),
+        tenant: call.tenant,
+        peer,
+        proto: Some(call.proto),
+    };
+    run_queued(call, queue).await
+}
+
+async fn run_queued(
+    call: Call<'_>,
+    queue: Option<Arc<tokio::sync::Semaphore>>,
+) -> Response<ProxyBody> {
     // The route's turns are all taken: a stored result is answered without one (a replay
     // never waits behind executions); anything else waits for its turn.
     let _turn = match queue {
@@ -403,6 +481,8 @@ struct Call<'a> {
     raw: RawDigest,
     tenant: TenantScope,
     peer: &'a ClientAddr,
+    /// A sibling lifecycle's edges; `None` for HTTP.
+    proto: Option<&'a dyn Protocol>,
 }
 
 /// What to do with an existing record.
@@ -534,7 +614,7 @@ impl Call<'_> {
             preview: route
                 .approval
                 .as_ref()
-                .map(|a| preview(&self.body, &a.preview)),
+                .map(|a| preview(self.preview_source(), &a.preview)),
             now_ms: now,
             expires_at_ms: now.saturating_add(route.retention.as_millis() as i64),
         });
@@ -563,6 +643,18 @@ impl Call<'_> {
             .is_some_and(|k| k.replays)
         {
             r.sent_body = Some(self.body.to_vec());
+        }
+    }
+
+    fn preview_source(&self) -> &[u8] {
+        self.proto.map_or(&self.body[..], |p| p.preview_source())
+    }
+
+    /// The client's answer for a stored response.
+    fn stored_response(&self, stored: &StoredResponse, replayed: bool) -> Response<ProxyBody> {
+        match self.proto {
+            None => stored_response(stored, &self.id),
+            Some(p) => p.render(stored, &self.id, replayed),
         }
     }
 
@@ -1053,17 +1145,33 @@ impl Call<'_> {
                     // original request with this key is still being processed.
                     return self.finish_still_in_flight(record).await;
                 }
-                let mut rheaders = rparts.headers;
-                downstream::stored_headers(&mut rheaders);
-                let stored = StoredResponse {
-                    status: rparts.status.as_u16(),
-                    headers: rheaders
-                        .iter()
-                        .map(|(n, v)| (n.as_str().to_string(), v.as_bytes().to_vec()))
-                        .collect(),
-                    body: bytes.to_vec(),
+                let (stored, server_error) = match self.proto {
+                    None => {
+                        let server_error = rparts.status.is_server_error();
+                        let mut rheaders = rparts.headers;
+                        downstream::stored_headers(&mut rheaders);
+                        let stored = StoredResponse {
+                            status: rparts.status.as_u16(),
+                            headers: rheaders
+                                .iter()
+                                .map(|(n, v)| (n.as_str().to_string(), v.as_bytes().to_vec()))
+                                .collect(),
+                            body: bytes.to_vec(),
+                        };
+                        (stored, server_error)
+                    }
+                    Some(p) => match p.judge(&rparts, &bytes) {
+                        Judged::Answer {
+                            stored,
+                            server_error,
+                        } => (stored, server_error),
+                        Judged::Refused(stored, why) => {
+                            return self.finish_failed(record, why, Some(stored)).await
+                        }
+                        Judged::Lost(why) => return self.finish_unknown(record, why, false).await,
+                    },
                 };
-                if rparts.status.is_server_error() {
+                if server_error {
                     match route.on_5xx {
                         On5xx::Committed => self.finish_committed(record, stored).await,
                         On5xx::FailedBeforeCommit => {
@@ -1207,7 +1315,7 @@ impl Call<'_> {
             .await;
         match downstream {
             Some(stored) => {
-                let mut resp = stored_response(&stored, &self.id);
+                let mut resp = self.stored_response(&stored, false);
                 resp.headers_mut()
                     .insert(STATUS, HeaderValue::from_static("failed_before_commit"));
                 resp
@@ -1243,7 +1351,7 @@ impl Call<'_> {
     ) -> Response<ProxyBody> {
         tracing::warn!(execution_id = %self.id, reason = %why, "outcome unknown");
         self.record_outcome(record, Event::LoseOutcome, &why).await;
-        let mut resp = stored_response(&stored, &self.id);
+        let mut resp = self.stored_response(&stored, false);
         resp.headers_mut()
             .insert(STATUS, HeaderValue::from_static("outcome_unknown"));
         resp
@@ -1284,7 +1392,7 @@ impl Call<'_> {
                 .execution(&self.id)
                 .into_response();
         };
-        let mut resp = stored_response(stored, &self.id);
+        let mut resp = self.stored_response(stored, replayed);
         if replayed {
             resp.headers_mut()
                 .insert(REPLAYED, HeaderValue::from_static("true"));
@@ -1295,7 +1403,7 @@ impl Call<'_> {
         let store = self.proxy.store.clone();
         // Only a replayed answer is kept in memory (see `proxy::replay`): most first
         // answers are never asked for again.
-        let replays = replayed.then(|| self.rt.shared.replays.clone());
+        let replays = (replayed && self.proto.is_none()).then(|| self.rt.shared.replays.clone());
         let raw = self.raw;
         let record = r.clone();
         resp.map(move |b| {
@@ -1320,7 +1428,9 @@ impl Call<'_> {
     fn replay(&self, r: &Record) -> Response<ProxyBody> {
         tracing::info!(execution_id = %self.id, from = "store", "replayed stored result");
         self.metrics().replays.get_or_create(&self.labels()).inc();
-        self.rt.shared.replays.remember(r, self.raw);
+        if self.proto.is_none() {
+            self.rt.shared.replays.remember(r, self.raw);
+        }
         self.respond(r, true)
     }
 }

@@ -1,0 +1,417 @@
+//! The MCP lifecycle (SPEC section 11): requests to a `protocol: mcp` upstream. A POST whose
+//! JSON-RPC message is a `tools/call` of a side-effecting tool runs through the one
+//! execution core ([`side_effect::run_sibling`]) with this module's [`Protocol`] edges: the
+//! downstream answer is the JSON-RPC response (a JSON body or the response event of an SSE
+//! stream), a stored answer is replayed under the retry's own JSON-RPC id, and proxy
+//! decisions (RFC 9457 problems) become JSON-RPC errors. Everything else passes through
+//! untouched both ways.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::{HeaderValue, Method, Request, Response, StatusCode};
+use http_body_util::BodyExt;
+
+use super::side_effect::{self, Judged, Protocol, Sibling};
+use super::{passthrough, replay, Proxy, Runtime};
+use crate::policy::classify::Target;
+use crate::policy::identity::{self, ExecutionId, KeyLookup};
+use crate::policy::mcp::{self as policy, Message, Tool};
+use crate::store::StoredResponse;
+use crate::wire::body::{self, ProxyBody, RequestBody};
+use crate::wire::headers::{ClientAddr, EXECUTION_ID};
+use crate::wire::problem::{Kind, Problem};
+
+const JSON: &str = "application/json";
+const SSE: &str = "text/event-stream";
+
+/// A request to an MCP upstream (`target.upstream.mcp` is set).
+pub async fn handle(
+    proxy: &Arc<Proxy>,
+    rt: &Arc<Runtime>,
+    target: Target<'_>,
+    req: Request<RequestBody>,
+    peer: ClientAddr,
+) -> Response<ProxyBody> {
+    let client = &rt.clients[target.upstream_index];
+    let Some(mcp) = target.upstream.mcp.as_ref() else {
+        return passthrough::forward(rt, client, &target, req, &peer, false).await;
+    };
+    if req.method() != Method::POST {
+        // GET (the server's SSE stream), DELETE (session end), OPTIONS...: untouched.
+        return passthrough::forward(rt, client, &target, req, &peer, false).await;
+    }
+    let (parts, incoming) = req.into_parts();
+    let limit = rt.config.limits.max_body_bytes;
+    let body = match body::read_all(incoming, limit).await {
+        Ok(b) => b,
+        Err(body::ReadError::TooLarge) => {
+            return Problem::new(
+                Kind::BodyTooLarge,
+                format!("request body is larger than limits.max_body_bytes ({limit} bytes); nothing was forwarded"),
+            )
+            .into_response()
+        }
+        Err(body::ReadError::Body(e)) => {
+            return Problem::new(
+                Kind::of_request_body_error(&*e),
+                format!("could not read the request body: {e}"),
+            )
+            .into_response()
+        }
+    };
+    let forward = |parts, body: Bytes| {
+        let req = Request::from_parts(parts, RequestBody::read(body));
+        passthrough::forward(rt, client, &target, req, &peer, false)
+    };
+    let tool = match policy::parse(&body) {
+        Message::Other => return forward(parts, body).await,
+        Message::Batch(names) => {
+            if policy::batch_has_side_effect(mcp, &names) {
+                return batch_refused();
+            }
+            return forward(parts, body).await;
+        }
+        Message::ToolCall(call) => call.name,
+    };
+    match policy::classify(mcp, &tool) {
+        Tool::ReadOnly => forward(parts, body).await,
+        Tool::Rejected => {
+            let Message::ToolCall(call) = policy::parse(&body) else {
+                unreachable!("parsed as a tools/call above")
+            };
+            let only_sse = policy::wants_only_sse(accept(&parts.headers));
+            rejected_tool(call.id, &tool, only_sse)
+        }
+        Tool::SideEffect(_) => {
+            // A side effect must not stop half-way when the client goes (hyper drops the
+            // service future): it runs as a task of its own, as HTTP side effects do.
+            let owned = target.to_owned_ref();
+            let (proxy, rt) = (proxy.clone(), rt.clone());
+            let task = tokio::spawn(async move {
+                let target = owned.bind(&rt.config.upstreams);
+                tool_call(&proxy, &rt, &target, parts, body, &peer).await
+            });
+            match task.await {
+                Ok(resp) => resp,
+                Err(e) => {
+                    tracing::error!(error = %e, "MCP tool-call task failed");
+                    Problem::new(
+                        Kind::Internal,
+                        "the request handler failed; see the proxy log",
+                    )
+                    .into_response()
+                }
+            }
+        }
+    }
+}
+
+fn accept(headers: &http::HeaderMap) -> impl Iterator<Item = &[u8]> {
+    headers
+        .get_all(http::header::ACCEPT)
+        .iter()
+        .map(HeaderValue::as_bytes)
+}
+
+/// A side-effecting `tools/call`: identity, `args_hash`, then the execution core.
+async fn tool_call(
+    proxy: &Arc<Proxy>,
+    rt: &Runtime,
+    target: &Target<'_>,
+    parts: http::request::Parts,
+    body: Bytes,
+    peer: &ClientAddr,
+) -> Response<ProxyBody> {
+    let cfg = &rt.config;
+    let Some(mcp) = target.upstream.mcp.as_ref() else {
+        unreachable!("an MCP target")
+    };
+    let Message::ToolCall(call) = policy::parse(&body) else {
+        unreachable!("parsed as a tools/call before")
+    };
+    let Tool::SideEffect(route) = policy::classify(mcp, &call.name) else {
+        unreachable!("classified as a side effect before")
+    };
+    let only_sse = policy::wants_only_sse(accept(&parts.headers));
+    let rpc = Rpc {
+        request_id: call.id.to_vec(),
+        only_sse,
+        arguments: policy::arguments(&call).to_vec(),
+    };
+    // The tool's own target: its records, metrics and turns are the tool's.
+    let tool = Target {
+        upstream_index: target.upstream_index,
+        upstream: target.upstream,
+        route_ref: target.route_ref,
+        route: &route,
+        rel_path: target.rel_path.clone(),
+        params: Vec::new(),
+    };
+    let key = match policy::find_key(
+        &parts.headers,
+        &call,
+        &cfg.identity,
+        &route,
+        cfg.limits.max_key_bytes,
+    ) {
+        KeyLookup::Found { key, .. } => key,
+        KeyLookup::Missing if route.key_required => {
+            let p = Problem::new(
+                Kind::KeyMissing,
+                format!(
+                    "tool `{}` of `{}` has side effects and needs a key: the {} header, the derive_from headers, or the identity.key_meta / derive_from_meta fields of params._meta; nothing was sent",
+                    route.name, target.upstream.name, cfg.identity.key_header
+                ),
+            );
+            return rpc.decision(p.into_response()).await;
+        }
+        KeyLookup::Missing => {
+            drop(call);
+            let req = Request::from_parts(parts, RequestBody::read(body));
+            return side_effect::unprotected(
+                proxy,
+                rt,
+                &rt.clients[tool.upstream_index],
+                &tool,
+                req,
+                peer,
+            )
+            .await;
+        }
+        KeyLookup::Invalid(why) => {
+            return rpc
+                .decision(Problem::new(Kind::KeyInvalid, why).into_response())
+                .await
+        }
+    };
+    let args = match policy::args_hash(&target.upstream.name, &route, &body) {
+        Ok(a) => a,
+        Err(at) => {
+            let p = Problem::new(
+                Kind::BodyAmbiguous,
+                format!(
+                    "the JSON-RPC message names the member {} more than once; which value the server would read is not knowable, so nothing was recorded or sent",
+                    at.0
+                ),
+            );
+            return rpc.decision(p.into_response()).await;
+        }
+    };
+    let tenant = identity::tenant_scope(&parts.headers, &cfg.identity.tenant_from);
+    let id = identity::execution_id(&tenant, &target.upstream.name, &route.name, &key);
+    let sent = Bytes::from(policy::with_execution_id(&call, id.as_str()));
+    drop(call);
+    let mut parts = parts;
+    parts.headers.remove(http::header::CONTENT_LENGTH);
+    let turns = rt.turns(&tool);
+    let (_turn, queue) = match turns.clone().try_acquire_owned() {
+        Ok(turn) => (Some(turn), None),
+        Err(_) => (None, Some(turns.clone())),
+    };
+    let client = &rt.clients[tool.upstream_index];
+    let sibling = Sibling {
+        parts,
+        body: sent,
+        id,
+        tenant,
+        args,
+        proto: &rpc,
+    };
+    let resp = side_effect::run_sibling(proxy, rt, client, &tool, sibling, peer, queue).await;
+    rpc.decision(resp).await
+}
+
+/// The MCP edges of one `tools/call` (see [`Protocol`]).
+struct Rpc {
+    /// The JSON-RPC id of this request (a replay answers under it).
+    request_id: Vec<u8>,
+    /// The client's `Accept` takes only `text/event-stream`.
+    only_sse: bool,
+    /// `params.arguments`, for approval previews.
+    arguments: Vec<u8>,
+}
+
+impl Rpc {
+    /// A proxy decision (an RFC 9457 problem from the core or from admission) as a
+    /// JSON-RPC error under the request's id, HTTP 200; any other answer as is.
+    async fn decision(&self, resp: Response<ProxyBody>) -> Response<ProxyBody> {
+        let is_problem = resp
+            .headers()
+            .get(http::header::CONTENT_TYPE)
+            .is_some_and(|v| v.as_bytes() == b"application/problem+json");
+        if !is_problem {
+            return resp;
+        }
+        let (mut parts, b) = resp.into_parts();
+        let problem = match b.collect().await {
+            Ok(c) => c.to_bytes(),
+            Err(_) => Bytes::from_static(b"{}"),
+        };
+        let (name, title) = match serde_json::from_slice::<serde_json::Value>(&problem) {
+            Ok(v) => (
+                v["type"]
+                    .as_str()
+                    .and_then(|t| t.strip_prefix("urn:idemproxy:problem:"))
+                    .unwrap_or("internal")
+                    .to_string(),
+                v["title"].as_str().unwrap_or("idemproxy").to_string(),
+            ),
+            Err(_) => ("internal".to_string(), "idemproxy".to_string()),
+        };
+        let message = policy::error_response(
+            &self.request_id,
+            policy::error_code(&name),
+            &title,
+            &problem,
+        );
+        parts.status = StatusCode::OK;
+        parts.headers.remove(http::header::CONTENT_LENGTH);
+        let (ct, body) = self.framed(message);
+        parts
+            .headers
+            .insert(http::header::CONTENT_TYPE, HeaderValue::from_static(ct));
+        Response::from_parts(parts, body::full(body))
+    }
+
+    /// A JSON-RPC message as JSON, or as a one-event SSE stream for a client that takes
+    /// only that.
+    fn framed(&self, message: Vec<u8>) -> (&'static str, Vec<u8>) {
+        if self.only_sse {
+            (SSE, policy::sse_event(&message))
+        } else {
+            (JSON, message)
+        }
+    }
+}
+
+impl Protocol for Rpc {
+    fn judge(&self, parts: &http::response::Parts, body: &Bytes) -> Judged {
+        let raw = || StoredResponse {
+            status: parts.status.as_u16(),
+            headers: parts
+                .headers
+                .get(http::header::CONTENT_TYPE)
+                .map(|v| vec![("content-type".to_string(), v.as_bytes().to_vec())])
+                .unwrap_or_default(),
+            body: body.to_vec(),
+        };
+        if parts.status.is_server_error() {
+            return Judged::Answer {
+                stored: raw(),
+                server_error: true,
+            };
+        }
+        if !parts.status.is_success() {
+            return Judged::Refused(
+                raw(),
+                format!(
+                    "the MCP server refused the request (HTTP {}) before running the tool",
+                    parts.status
+                ),
+            );
+        }
+        let ct = parts
+            .headers
+            .get(http::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or(JSON);
+        match policy::answer(ct, body, &self.request_id) {
+            policy::Answer::Response {
+                message,
+                internal_error,
+            } => Judged::Answer {
+                // The final JSON-RPC response only: progress notifications are not kept.
+                stored: StoredResponse {
+                    status: 200,
+                    headers: vec![("content-type".to_string(), JSON.as_bytes().to_vec())],
+                    body: message,
+                },
+                server_error: internal_error,
+            },
+            policy::Answer::Missing => Judged::Lost(
+                "the MCP server's answer ended without the JSON-RPC response to the call".into(),
+            ),
+        }
+    }
+
+    fn render(
+        &self,
+        stored: &StoredResponse,
+        id: &ExecutionId,
+        _replayed: bool,
+    ) -> Response<ProxyBody> {
+        if stored.status != 200 {
+            // The server's own HTTP error, as it sent it.
+            let (status, headers) = replay::response_head(stored, id);
+            let mut resp = Response::new(body::full(Bytes::from(stored.body.clone())));
+            *resp.status_mut() = status;
+            *resp.headers_mut() = headers;
+            return resp;
+        }
+        let (ct, body) = self.framed(policy::under_id(&stored.body, &self.request_id));
+        let mut resp = Response::new(body::full(body));
+        let h = resp.headers_mut();
+        h.insert(http::header::CONTENT_TYPE, HeaderValue::from_static(ct));
+        h.insert(
+            http::header::CACHE_CONTROL,
+            HeaderValue::from_static("no-store"),
+        );
+        h.insert(
+            EXECUTION_ID,
+            HeaderValue::from_str(id.as_str()).unwrap_or(HeaderValue::from_static("")),
+        );
+        resp
+    }
+
+    fn preview_source(&self) -> &[u8] {
+        &self.arguments
+    }
+}
+
+/// A JSON-RPC batch with a side-effecting `tools/call`: refused whole, nothing sent.
+fn batch_refused() -> Response<ProxyBody> {
+    let problem = serde_json::json!({
+        "type": "urn:idemproxy:problem:batch-refused",
+        "title": "Batch with a side-effecting tool call",
+        "status": 400,
+        "detail": "a JSON-RPC batch containing a side-effecting tools/call cannot be protected; send each call as its own request; nothing was sent",
+    });
+    let message = policy::error_response(
+        b"null",
+        -32600,
+        "Batch with a side-effecting tool call",
+        &serde_json::to_vec(&problem).expect("JSON serialises"),
+    );
+    let mut resp = Response::new(body::full(message));
+    *resp.status_mut() = StatusCode::BAD_REQUEST;
+    resp.headers_mut()
+        .insert(http::header::CONTENT_TYPE, HeaderValue::from_static(JSON));
+    resp
+}
+
+/// A `tools/call` of an unlisted tool under `unlisted: reject`.
+fn rejected_tool(id: &[u8], tool: &str, only_sse: bool) -> Response<ProxyBody> {
+    let problem = serde_json::json!({
+        "type": "urn:idemproxy:problem:tool-rejected",
+        "title": "Tool not allowed",
+        "status": 403,
+        "detail": format!("tool `{tool}` is not listed and this upstream has `unlisted: reject`; nothing was sent"),
+    });
+    let message = policy::error_response(
+        id,
+        policy::error_code("tool-rejected"),
+        "Tool not allowed",
+        &serde_json::to_vec(&problem).expect("JSON serialises"),
+    );
+    let rpc = Rpc {
+        request_id: id.to_vec(),
+        only_sse,
+        arguments: Vec::new(),
+    };
+    let (ct, body) = rpc.framed(message);
+    let mut resp = Response::new(body::full(body));
+    resp.headers_mut()
+        .insert(http::header::CONTENT_TYPE, HeaderValue::from_static(ct));
+    resp
+}
