@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The project's test command (README "Quick start"; CI calls it through .ci/run).
 # Sets up what the tests need on a fresh machine (Debian's Chromium and the pinned
-# playwright-core driver for the console test), then the lint gates, then every test:
+# playwright-core driver for the console test, the pinned MCP Python SDK for tests/mcp.rs), then the lint gates, then every test:
 # unit, integration (real binary, real redb, SIGKILL), PostgreSQL store tests against the
 # real server, the crash matrix (failpoints feature) and the console in headless Chromium.
 set -euo pipefail
@@ -21,6 +21,22 @@ if ! command -v faketime >/dev/null 2>&1; then
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq
   $SUDO apt-get install -y -qq --no-install-recommends faketime
+fi
+# tests/mcp.rs runs the official MCP Python SDK (server and client) from this venv; the
+# stamp makes a changed pin reinstall.
+MCP_VENV=target/mcp-venv
+if ! cmp -s fixtures/mcp/requirements.txt "$MCP_VENV/.requirements" 2>/dev/null; then
+  echo "[test] installing the pinned MCP Python SDK into $MCP_VENV" >&2
+  if ! python3 -m venv --help >/dev/null 2>&1 || ! python3 -c 'import ensurepip' 2>/dev/null; then
+    export DEBIAN_FRONTEND=noninteractive
+    SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    $SUDO apt-get install -y -qq --no-install-recommends python3 python3-venv
+  fi
+  rm -rf "$MCP_VENV"
+  python3 -m venv "$MCP_VENV"
+  "$MCP_VENV/bin/pip" install -q --disable-pip-version-check -r fixtures/mcp/requirements.txt
+  cp fixtures/mcp/requirements.txt "$MCP_VENV/.requirements"
 fi
 if [ ! -d tests/browser/node_modules ]; then
   (cd tests/browser && npm ci --no-audit --no-fund --silent)
