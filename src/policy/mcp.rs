@@ -371,7 +371,8 @@ pub fn answer(content_type: &str, body: &[u8], id: &[u8]) -> Answer {
     }
 }
 
-fn is_response(message: &[u8]) -> bool {
+/// Whether a JSON-RPC message is a response (has `result` or `error`).
+pub fn is_response(message: &[u8]) -> bool {
     members(message)
         .is_some_and(|m| member(&m, "result").is_some() || member(&m, "error").is_some())
 }

@@ -10,7 +10,10 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use http::{HeaderValue, Method, Request, Response, StatusCode};
-use http_body_util::BodyExt;
+use http_body::Frame;
+use http_body_util::{BodyExt, StreamBody};
+use parking_lot::Mutex;
+use tokio::sync::mpsc;
 
 use super::side_effect::{self, Judged, Protocol, Sibling};
 use super::{passthrough, replay, Proxy, Runtime};
@@ -18,7 +21,7 @@ use crate::policy::classify::Target;
 use crate::policy::identity::{self, ExecutionId, KeyLookup};
 use crate::policy::mcp::{self as policy, Message, Tool};
 use crate::store::StoredResponse;
-use crate::wire::body::{self, ProxyBody, RequestBody};
+use crate::wire::body::{self, BoxError, ProxyBody, RequestBody};
 use crate::wire::headers::{ClientAddr, EXECUTION_ID};
 use crate::wire::problem::{Kind, Problem};
 
@@ -88,23 +91,129 @@ pub async fn handle(
             // service future): it runs as a task of its own, as HTTP side effects do.
             let owned = target.to_owned_ref();
             let (proxy, rt) = (proxy.clone(), rt.clone());
-            let task = tokio::spawn(async move {
+            // A client that takes SSE gets the server's progress events as they come.
+            let (tx, mut rx) = mpsc::unbounded_channel();
+            let tx = accepts_sse(&parts.headers).then_some(tx);
+            let mut task = tokio::spawn(async move {
                 let target = owned.bind(&rt.config.upstreams);
-                tool_call(&proxy, &rt, &target, parts, body, &peer).await
+                tool_call(&proxy, &rt, &target, parts, body, &peer, tx).await
             });
-            match task.await {
-                Ok(resp) => resp,
-                Err(e) => {
-                    tracing::error!(error = %e, "MCP tool-call task failed");
-                    Problem::new(
-                        Kind::Internal,
-                        "the request handler failed; see the proxy log",
-                    )
-                    .into_response()
-                }
+            tokio::select! {
+                biased;
+                Some(Out::Start(id)) = rx.recv() => streamed(id, rx, task),
+                done = &mut task => joined(done),
             }
         }
     }
+}
+
+fn joined(done: Result<Response<ProxyBody>, tokio::task::JoinError>) -> Response<ProxyBody> {
+    done.unwrap_or_else(|e| {
+        tracing::error!(error = %e, "MCP tool-call task failed");
+        Problem::new(
+            Kind::Internal,
+            "the request handler failed; see the proxy log",
+        )
+        .into_response()
+    })
+}
+
+/// What the tap hands the client's answer while the call runs.
+enum Out {
+    /// Streaming starts (the call's execution id, for the answer's head).
+    Start(String),
+    /// One SSE event of the server's, as it sent it.
+    Data(Bytes),
+}
+
+type Task = tokio::task::JoinHandle<Response<ProxyBody>>;
+
+/// Where a streamed first answer stands.
+enum Phase {
+    /// The server's events, until the call is over.
+    Events(mpsc::UnboundedReceiver<Out>, Task),
+    /// The call's final answer.
+    Final(ProxyBody),
+}
+
+async fn next_of(mut body: ProxyBody) -> Option<(Result<Frame<Bytes>, BoxError>, Phase)> {
+    match body.frame().await? {
+        Ok(f) => Some((Ok(f), Phase::Final(body))),
+        Err(e) => Some((Err(e), Phase::Final(body::empty()))),
+    }
+}
+
+/// The first answer as an SSE stream: the server's events as they come, then the call's
+/// final answer (the committed response, or a decision) once the core has recorded it.
+fn streamed(
+    execution_id: String,
+    rx: mpsc::UnboundedReceiver<Out>,
+    task: Task,
+) -> Response<ProxyBody> {
+    let frames = futures_util::stream::unfold(Phase::Events(rx, task), |phase| async move {
+        match phase {
+            Phase::Events(mut rx, task) => loop {
+                match rx.recv().await {
+                    Some(Out::Data(b)) => {
+                        return Some((Ok(Frame::data(b)), Phase::Events(rx, task)))
+                    }
+                    Some(Out::Start(_)) => continue,
+                    // The call is over (its protocol value, holding the sender, is gone).
+                    None => return next_of(final_event(joined(task.await))).await,
+                }
+            },
+            Phase::Final(b) => next_of(b).await,
+        }
+    });
+    let mut resp = Response::new(StreamBody::new(frames).boxed());
+    let h = resp.headers_mut();
+    h.insert(http::header::CONTENT_TYPE, HeaderValue::from_static(SSE));
+    h.insert(
+        http::header::CACHE_CONTROL,
+        HeaderValue::from_static("no-store"),
+    );
+    if let Ok(v) = HeaderValue::from_str(&execution_id) {
+        h.insert(EXECUTION_ID, v);
+    }
+    resp
+}
+
+/// The call's final answer as the last event of a stream already under way.
+fn final_event(resp: Response<ProxyBody>) -> ProxyBody {
+    let sse = resp
+        .headers()
+        .get(http::header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(SSE.as_bytes()));
+    if resp.status() == StatusCode::OK && sse {
+        return resp.into_body();
+    }
+    // The core's answers are framed as SSE once streaming; this covers a server's own HTTP
+    // error stored as the answer, so that a stream never ends without saying so.
+    let problem = serde_json::json!({
+        "type": "urn:idemproxy:problem:upstream-error",
+        "title": "Upstream error",
+        "status": resp.status().as_u16(),
+        "detail": format!("the MCP server answered HTTP {}", resp.status()),
+    });
+    let message = policy::error_response(
+        b"null",
+        -32000,
+        "Upstream error",
+        &serde_json::to_vec(&problem).expect("JSON serialises"),
+    );
+    body::full(policy::sse_event(&message))
+}
+
+fn accepts_sse(headers: &http::HeaderMap) -> bool {
+    accept(headers).any(|v| {
+        String::from_utf8_lossy(v).split(',').any(|t| {
+            t.split(';')
+                .next()
+                .unwrap_or("")
+                .trim()
+                .eq_ignore_ascii_case(SSE)
+        })
+    })
 }
 
 fn accept(headers: &http::HeaderMap) -> impl Iterator<Item = &[u8]> {
@@ -122,6 +231,7 @@ async fn tool_call(
     parts: http::request::Parts,
     body: Bytes,
     peer: &ClientAddr,
+    stream: Option<mpsc::UnboundedSender<Out>>,
 ) -> Response<ProxyBody> {
     let cfg = &rt.config;
     let Some(mcp) = target.upstream.mcp.as_ref() else {
@@ -134,10 +244,11 @@ async fn tool_call(
         unreachable!("classified as a side effect before")
     };
     let only_sse = policy::wants_only_sse(accept(&parts.headers));
-    let rpc = Rpc {
+    let mut rpc = Rpc {
         request_id: call.id.to_vec(),
         only_sse,
         arguments: policy::arguments(&call).to_vec(),
+        tap: None,
     };
     // The tool's own target: its records, metrics and turns are the tool's.
     let tool = Target {
@@ -200,6 +311,11 @@ async fn tool_call(
     };
     let tenant = identity::tenant_scope(&parts.headers, &cfg.identity.tenant_from);
     let id = identity::execution_id(&tenant, &target.upstream.name, &route.name, &key);
+    rpc.tap = stream.map(|tx| Tap {
+        tx,
+        execution_id: id.to_string(),
+        state: Mutex::new(TapState::default()),
+    });
     let sent = Bytes::from(policy::with_execution_id(&call, id.as_str()));
     drop(call);
     let mut parts = parts;
@@ -230,6 +346,60 @@ struct Rpc {
     only_sse: bool,
     /// `params.arguments`, for approval previews.
     arguments: Vec<u8>,
+    /// Where the server's SSE events go while the call runs (a client that takes SSE).
+    tap: Option<Tap>,
+}
+
+/// Splits a downstream SSE stream into events as it is read: every event but the
+/// response goes to the client at once; the response is the core's to record and answer.
+struct Tap {
+    tx: mpsc::UnboundedSender<Out>,
+    execution_id: String,
+    state: Mutex<TapState>,
+}
+
+#[derive(Default)]
+struct TapState {
+    buf: Vec<u8>,
+    started: bool,
+}
+
+impl Tap {
+    fn feed(&self, data: &[u8]) {
+        let mut st = self.state.lock();
+        st.buf.extend_from_slice(data);
+        while let Some((end, sep)) = event_end(&st.buf) {
+            let event: Vec<u8> = st.buf.drain(..end + sep).collect();
+            let is_response = policy::sse_events(&event)
+                .iter()
+                .any(|d| policy::is_response(d));
+            if is_response {
+                continue;
+            }
+            if !st.started {
+                st.started = true;
+                let _ = self.tx.send(Out::Start(self.execution_id.clone()));
+            }
+            let _ = self.tx.send(Out::Data(Bytes::from(event)));
+        }
+    }
+
+    fn started(&self) -> bool {
+        self.state.lock().started
+    }
+}
+
+/// Where the first complete SSE event in `buf` ends: its length and its separator's.
+fn event_end(buf: &[u8]) -> Option<(usize, usize)> {
+    let lf = buf.windows(2).position(|w| w == b"\n\n").map(|i| (i, 2));
+    let crlf = buf
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map(|i| (i, 4));
+    match (lf, crlf) {
+        (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
+        (a, b) => a.or(b),
+    }
 }
 
 impl Rpc {
@@ -277,7 +447,8 @@ impl Rpc {
     /// A JSON-RPC message as JSON, or as a one-event SSE stream for a client that takes
     /// only that.
     fn framed(&self, message: Vec<u8>) -> (&'static str, Vec<u8>) {
-        if self.only_sse {
+        // Once the server's events are streaming, the answer is the stream's last event.
+        if self.only_sse || self.tap.as_ref().is_some_and(Tap::started) {
             (SSE, policy::sse_event(&message))
         } else {
             (JSON, message)
@@ -367,6 +538,17 @@ impl Protocol for Rpc {
     fn preview_source(&self) -> &[u8] {
         &self.arguments
     }
+
+    fn tap(&self, head: &http::response::Parts, data: &Bytes) {
+        let Some(tap) = &self.tap else { return };
+        let sse = head
+            .headers
+            .get(http::header::CONTENT_TYPE)
+            .is_some_and(|v| v.as_bytes().starts_with(SSE.as_bytes()));
+        if head.status.is_success() && sse {
+            tap.feed(data);
+        }
+    }
 }
 
 /// A JSON-RPC batch with a side-effecting `tools/call`: refused whole, nothing sent.
@@ -408,6 +590,7 @@ fn rejected_tool(id: &[u8], tool: &str, only_sse: bool) -> Response<ProxyBody> {
         request_id: id.to_vec(),
         only_sse,
         arguments: Vec::new(),
+        tap: None,
     };
     let (ct, body) = rpc.framed(message);
     let mut resp = Response::new(body::full(body));

@@ -360,6 +360,9 @@ pub(super) trait Protocol: Send + Sync {
     ) -> Response<ProxyBody>;
     /// The JSON the approval `preview` pointers point into.
     fn preview_source(&self) -> &[u8];
+    /// Each piece of a downstream answer as it is read, before the whole answer is judged
+    /// (an MCP SSE stream's progress events reach the client while the call runs).
+    fn tap(&self, _head: &http::response::Parts, _data: &Bytes) {}
 }
 
 /// A downstream answer as a [`Protocol`] judges it.
@@ -1048,16 +1051,19 @@ impl Call<'_> {
                 .map_err(|e| (client::classify(&e), client::describe(&e)))?;
             let (rparts, rbody) = resp.into_parts();
             let limit = self.rt.config.limits.max_response_bytes;
-            let bytes = Limited::new(rbody, limit)
-                .collect()
-                .await
-                .map_err(|e: BoxError| {
-                    (
-                        SendFailure::AfterSend,
-                        format!("reading the response failed: {e}"),
-                    )
-                })?
-                .to_bytes();
+            let read = match self.proto {
+                None => Limited::new(rbody, limit)
+                    .collect()
+                    .await
+                    .map(|c| c.to_bytes()),
+                Some(p) => tapped(&rparts, rbody, limit, p).await,
+            };
+            let bytes = read.map_err(|e: BoxError| {
+                (
+                    SendFailure::AfterSend,
+                    format!("reading the response failed: {e}"),
+                )
+            })?;
             Ok::<_, (SendFailure, String)>((rparts, bytes))
         });
         let outcome = match sent {
@@ -1433,6 +1439,28 @@ impl Call<'_> {
         }
         self.respond(r, true)
     }
+}
+
+/// Read a downstream answer whole (up to `limit`), showing each piece to `proto` first.
+async fn tapped<B>(
+    head: &http::response::Parts,
+    body: B,
+    limit: usize,
+    proto: &dyn Protocol,
+) -> Result<Bytes, BoxError>
+where
+    B: http_body::Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    let mut body = Limited::new(body, limit);
+    let mut all = bytes::BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        if let Ok(data) = frame?.into_data() {
+            proto.tap(head, &data);
+            all.extend_from_slice(&data);
+        }
+    }
+    Ok(all.freeze())
 }
 
 fn stored_response(stored: &StoredResponse, id: &ExecutionId) -> Response<ProxyBody> {
