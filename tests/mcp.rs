@@ -351,6 +351,50 @@ async fn wire_approval_reject_and_dropped_connection() {
     assert_eq!(retry.json()["id"], 6);
     assert_eq!(w.fake.commits(), 1, "never re-sent blindly");
 
+    // Cancelling the operation named in params._meta stops its calls before sending.
+    let auth = format!("Bearer {ADMIN_TOKEN}");
+    let cancel = post(
+        &c,
+        &w.proxy.admin_url("/v1/operations/op_9/cancel"),
+        &[("authorization", &auth)],
+        &json!({ "by": "dave" }).to_string(),
+    )
+    .await;
+    assert_eq!(cancel.status, StatusCode::OK, "{cancel:?}");
+    let hits = w.fake.hits();
+    let stopped = rpc(
+        &c,
+        &w.proxy.url("/flaky/send"),
+        &tool_call(json!(7), "transfer", json!({"amount": 7}), Some("call_12")),
+    )
+    .await;
+    assert_eq!(stopped.json()["error"]["code"], -32008, "{stopped:?}");
+    assert_eq!(
+        stopped.json()["error"]["data"]["type"],
+        "urn:idemproxy:problem:cancelled"
+    );
+    assert_eq!(
+        w.fake.hits(),
+        hits,
+        "nothing sent under a cancelled operation"
+    );
+
+    // Metrics name the tool as the route.
+    let metrics = send(
+        &c,
+        Method::GET,
+        &w.proxy.admin_url("/metrics"),
+        &[("authorization", &auth)],
+        "",
+    )
+    .await;
+    let text = String::from_utf8_lossy(&metrics.body);
+    assert!(
+        text.lines()
+            .any(|l| l.contains("upstream=\"guarded\"") && l.contains("route=\"send_email\"")),
+        "{text}"
+    );
+
     // GET and DELETE on the endpoint pass through (the fake answers them itself).
     let get = send(&c, Method::GET, &w.proxy.url("/flaky/healthz"), &[], "").await;
     assert_eq!(get.status, StatusCode::OK, "{get:?}");

@@ -248,6 +248,17 @@ pub fn find_key<H: HeaderLookup + ?Sized>(
     check(identity::join_parts(&refs), max_key_bytes, "derived key")
 }
 
+/// The call's parent operation from `params._meta` (for cancellation): the first
+/// `identity.derive_from_meta` field, as `identity.operation_from` defaults to the first
+/// `derive_from` header.
+pub fn operation_id(call: &ToolCall<'_>, id: &IdentityConfig) -> Option<String> {
+    let field = id.derive_from_meta.first()?;
+    let meta = members(call.meta?)?;
+    let v = string(member(&meta, field)?)?;
+    let v = v.trim();
+    (!v.is_empty() && v.len() <= 255).then(|| v.to_string())
+}
+
 fn check(k: String, max: usize, what: &str) -> KeyLookup {
     if k.is_empty() {
         KeyLookup::Invalid(format!("{what} is empty"))

@@ -249,6 +249,7 @@ async fn tool_call(
         only_sse,
         arguments: policy::arguments(&call).to_vec(),
         tap: None,
+        operation: policy::operation_id(&call, &cfg.identity),
     };
     // The tool's own target: its records, metrics and turns are the tool's.
     let tool = Target {
@@ -348,6 +349,8 @@ struct Rpc {
     arguments: Vec<u8>,
     /// Where the server's SSE events go while the call runs (a client that takes SSE).
     tap: Option<Tap>,
+    /// The parent operation named in `params._meta`.
+    operation: Option<String>,
 }
 
 /// Splits a downstream SSE stream into events as it is read: every event but the
@@ -539,6 +542,10 @@ impl Protocol for Rpc {
         &self.arguments
     }
 
+    fn operation_id(&self) -> Option<String> {
+        self.operation.clone()
+    }
+
     fn tap(&self, head: &http::response::Parts, data: &Bytes) {
         let Some(tap) = &self.tap else { return };
         let sse = head
@@ -591,6 +598,7 @@ fn rejected_tool(id: &[u8], tool: &str, only_sse: bool) -> Response<ProxyBody> {
         only_sse,
         arguments: Vec::new(),
         tap: None,
+        operation: None,
     };
     let (ct, body) = rpc.framed(message);
     let mut resp = Response::new(body::full(body));

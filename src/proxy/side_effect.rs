@@ -363,6 +363,10 @@ pub(super) trait Protocol: Send + Sync {
     /// Each piece of a downstream answer as it is read, before the whole answer is judged
     /// (an MCP SSE stream's progress events reach the client while the call runs).
     fn tap(&self, _head: &http::response::Parts, _data: &Bytes) {}
+    /// The parent operation when the request's headers name none (for cancellation).
+    fn operation_id(&self) -> Option<String> {
+        None
+    }
 }
 
 /// A downstream answer as a [`Protocol`] judges it.
@@ -608,7 +612,8 @@ impl Call<'_> {
             upstream: self.target.upstream.name.clone(),
             route: route.name.clone(),
             tool_version: route.tool_version.clone(),
-            operation_id: identity::operation_id(&self.parts.headers, &self.rt.config.identity),
+            operation_id: identity::operation_id(&self.parts.headers, &self.rt.config.identity)
+                .or_else(|| self.proto.and_then(|p| p.operation_id())),
             args_hash: self.args.clone(),
             method: self.parts.method.to_string(),
             path: self.target.rel_path.clone(),
