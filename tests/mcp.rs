@@ -115,6 +115,22 @@ upstreams:
       tools:
         send_email: {{ approval: {{ required: true, preview: [/to] }} }}
         stats: {{ class: read_only }}
+  - name: recon
+    url: {json}
+    mount: /recon
+    protocol: mcp
+    mcp:
+      unlisted: reject
+      tools:
+        slow_commit:
+          timeout: 300ms
+          reconcile:
+            tool: find_email
+            arguments: {{ tag: "{{execution_id}}" }}
+            found: {{ json_nonempty: /structuredContent/items }}
+            not_found: {{ json_empty: /structuredContent/items }}
+        find_email: {{ class: read_only }}
+        stats: {{ class: read_only }}
   - name: flaky
     url: {fake}
     mount: /flaky
@@ -351,6 +367,42 @@ async fn wire_approval_reject_and_dropped_connection() {
     assert_eq!(retry.json()["id"], 6);
     assert_eq!(w.fake.commits(), 1, "never re-sent blindly");
 
+    // reconcile.tool: the answer never came (timeout), the retry asks the lookup tool,
+    // which finds the effect: committed with the lookup's result, executed once.
+    let url = w.proxy.url("/recon/mcp");
+    let body = tool_call(
+        json!(8),
+        "slow_commit",
+        json!({"to": "gus"}),
+        Some("call_13"),
+    );
+    let lost = rpc(&c, &url, &body).await;
+    assert_eq!(lost.json()["error"]["code"], -32005, "{lost:?}");
+    let id = lost.json()["error"]["data"]["execution_id"]
+        .as_str()
+        .expect("id")
+        .to_string();
+    let found = rpc(
+        &c,
+        &url,
+        &tool_call(
+            json!(9),
+            "slow_commit",
+            json!({"to": "gus"}),
+            Some("call_13"),
+        ),
+    )
+    .await;
+    let v = found.json();
+    assert_eq!(v["id"], 9, "{v}");
+    assert_eq!(
+        v["result"]["structuredContent"]["items"],
+        json!([id]),
+        "{v}"
+    );
+    assert_eq!(found.header("idempotent-replayed"), Some("true"));
+    assert_eq!(executions(&c, &w, "slow_commit").await, 1);
+
     // Cancelling the operation named in params._meta stops its calls before sending.
     let auth = format!("Bearer {ADMIN_TOKEN}");
     let cancel = post(
@@ -428,6 +480,7 @@ fn check_prints_the_tool_table_and_names_bad_tool_keys() {
         "{text}"
     );
     assert!(text.contains("(unlisted)               reject"), "{text}");
+    assert!(text.contains("reconcile=tool:find_email"), "{text}");
 
     let bad = dir.path().join("bad.yaml");
     std::fs::write(

@@ -224,6 +224,20 @@ pub struct McpConfig {
     pub tools: Vec<Route>,
     /// What an unlisted side-effecting tool runs under (its name is set per call).
     pub unlisted_route: Route,
+    /// `reconcile.tool` lookups, by the name of the tool they reconcile.
+    pub lookups: Vec<(String, ToolLookup)>,
+}
+
+/// `reconcile: { tool, arguments, found, not_found, settle }` of an MCP tool: a read-only
+/// `tools/call` on the same server; the matchers' pointers are relative to its `result`.
+#[derive(Debug, Clone)]
+pub struct ToolLookup {
+    pub tool: String,
+    /// JSON whose strings may hold `{execution_id}` and `{key}`.
+    pub arguments: serde_json::Value,
+    pub found: Matcher,
+    pub not_found: Matcher,
+    pub settle: Duration,
 }
 
 /// What happens to a `tools/call` of a tool the YAML does not list.
@@ -538,6 +552,9 @@ fn describe_mcp(out: &mut String, up: &Upstream, mcp: &McpConfig) {
         let mut details = Vec::new();
         if r.class == Class::SideEffect {
             side_effect_details(&mut details, r);
+        }
+        if let Some((_, l)) = mcp.lookups.iter().find(|(n, _)| *n == r.name) {
+            details.push(format!("reconcile=tool:{}", l.tool));
         }
         let _ = writeln!(
             out,

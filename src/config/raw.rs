@@ -182,6 +182,9 @@ pub struct RawReconcile {
     pub not_found: Option<RawMatcher>,
     pub external_id: Option<String>,
     pub settle: Option<String>,
+    /// MCP tools: the read-only tool to call, and its arguments (`{execution_id}`, `{key}`).
+    pub tool: Option<String>,
+    pub arguments: Option<serde_json::Value>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -723,6 +723,7 @@ impl Validator {
             }
         };
         let mut tools = Vec::new();
+        let mut lookups = Vec::new();
         for (name, mut t) in m.tools {
             let tp = format!("{path}.mcp.tools.{name}");
             if name.is_empty() {
@@ -744,15 +745,14 @@ impl Validator {
                     ok = false;
                 }
             }
-            if t.reconcile.is_some() {
-                self.err(
-                    format!("{tp}.reconcile"),
-                    "`reconcile.tool` lookups for MCP tools are not supported by this version",
-                );
-                ok = false;
-            }
             if !ok {
                 continue;
+            }
+            let timeout = self.duration(&format!("{tp}.timeout"), t.timeout.as_deref(), timeout);
+            if let Some(rc) = t.reconcile.take() {
+                if let Some(l) = self.tool_lookup(&format!("{tp}.reconcile"), rc, timeout) {
+                    lookups.push((name.clone(), l));
+                }
             }
             t.name = Some(name);
             t.matcher = Some(RawMatch {
@@ -773,6 +773,102 @@ impl Validator {
             unlisted,
             tools,
             unlisted_route,
+            lookups,
+        }
+    }
+
+    /// `reconcile` of an MCP tool: `{ tool, arguments, found, not_found, settle }`.
+    fn tool_lookup(
+        &mut self,
+        path: &str,
+        rc: RawReconcile,
+        timeout: Duration,
+    ) -> Option<ToolLookup> {
+        for (key, set) in [
+            ("method", rc.method.is_some()),
+            ("path", rc.path.is_some()),
+            ("headers", !rc.headers.is_empty()),
+            ("external_id", rc.external_id.is_some()),
+        ] {
+            if set {
+                self.err(
+                    format!("{path}.{key}"),
+                    "not used by an MCP tool lookup (it calls `tool`)",
+                );
+            }
+        }
+        let tool = match rc.tool {
+            Some(t) if is_name(&t) => t,
+            Some(t) => {
+                self.err(
+                    format!("{path}.tool"),
+                    format!("expected a tool name, found `{t}`"),
+                );
+                return None;
+            }
+            None => {
+                self.err(
+                    format!("{path}.tool"),
+                    "missing (the read-only tool to call, e.g. find_email)",
+                );
+                return None;
+            }
+        };
+        let arguments = rc.arguments.unwrap_or_else(|| serde_json::json!({}));
+        if !arguments.is_object() {
+            self.err(
+                format!("{path}.arguments"),
+                "expected a map of the tool's arguments",
+            );
+        }
+        let found = self.matcher(path, "found", rc.found);
+        let not_found = self.matcher(path, "not_found", rc.not_found);
+        let settle = self.duration(
+            &format!("{path}.settle"),
+            rc.settle.as_deref(),
+            timeout.saturating_mul(2),
+        );
+        Some(ToolLookup {
+            tool,
+            arguments,
+            found,
+            not_found,
+            settle,
+        })
+    }
+
+    fn matcher(&mut self, path: &str, which: &str, m: Option<RawMatcher>) -> Matcher {
+        let Some(m) = m else {
+            self.err(
+                format!("{path}.{which}"),
+                "missing (e.g. { json_nonempty: /structuredContent/items })",
+            );
+            return Matcher::default();
+        };
+        for (k, p) in [
+            ("json_nonempty", &m.json_nonempty),
+            ("json_empty", &m.json_empty),
+        ] {
+            if let Some(p) = p {
+                self.pointer(&format!("{path}.{which}.{k}"), p);
+            }
+        }
+        if m.status.is_some() {
+            self.err(
+                format!("{path}.{which}.status"),
+                "a tool lookup is judged on its result: use json_nonempty / json_empty",
+            );
+        }
+        if m.json_nonempty.is_none() && m.json_empty.is_none() {
+            self.err(
+                format!("{path}.{which}"),
+                "needs json_nonempty or json_empty",
+            );
+        }
+        Matcher {
+            status: None,
+            json_nonempty: m.json_nonempty,
+            json_empty: m.json_empty,
         }
     }
 
@@ -999,6 +1095,12 @@ impl Validator {
         route_path: &str,
         route_timeout: Duration,
     ) -> Option<ReconcileSpec> {
+        if rc.tool.is_some() || rc.arguments.is_some() {
+            self.err(
+                format!("{path}.tool"),
+                "`tool` and `arguments` are for MCP tools (upstreams with `protocol: mcp`)",
+            );
+        }
         let method = match rc.method.as_deref().unwrap_or("GET") {
             m @ ("GET" | "POST" | "HEAD") => {
                 Method::from_bytes(m.as_bytes()).expect("literal methods")

@@ -6,7 +6,10 @@
 //! decisions (RFC 9457 problems) become JSON-RPC errors. Everything else passes through
 //! untouched both ways.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderValue, Method, Request, Response, StatusCode};
@@ -17,11 +20,14 @@ use tokio::sync::mpsc;
 
 use super::side_effect::{self, Judged, Protocol, Sibling};
 use super::{passthrough, replay, Proxy, Runtime};
+use crate::config::ToolLookup;
 use crate::policy::classify::Target;
 use crate::policy::identity::{self, ExecutionId, KeyLookup};
 use crate::policy::mcp::{self as policy, Message, Tool};
-use crate::store::StoredResponse;
+use crate::policy::reconcile::{self, Verdict};
+use crate::store::{Record, StoredResponse};
 use crate::wire::body::{self, BoxError, ProxyBody, RequestBody};
+use crate::wire::client::HttpClient;
 use crate::wire::headers::{ClientAddr, EXECUTION_ID};
 use crate::wire::problem::{Kind, Problem};
 
@@ -250,6 +256,7 @@ async fn tool_call(
         arguments: policy::arguments(&call).to_vec(),
         tap: None,
         operation: policy::operation_id(&call, &cfg.identity),
+        lookup: None,
     };
     // The tool's own target: its records, metrics and turns are the tool's.
     let tool = Target {
@@ -312,6 +319,46 @@ async fn tool_call(
     };
     let tenant = identity::tenant_scope(&parts.headers, &cfg.identity.tenant_from);
     let id = identity::execution_id(&tenant, &target.upstream.name, &route.name, &key);
+    rpc.lookup = mcp
+        .lookups
+        .iter()
+        .find(|(n, _)| *n == route.name)
+        .and_then(|(_, spec)| {
+            let uri = super::downstream::target_uri(target, parts.uri.query()).ok()?;
+            let mut headers = super::downstream::request_headers(
+                &parts.headers,
+                target.upstream,
+                peer,
+                &[&cfg.identity.key_header],
+            );
+            // The lookup is its own tools/call: the 2026-07-28 routing headers name it.
+            let stale: Vec<http::HeaderName> = headers
+                .keys()
+                .filter(|n| n.as_str().starts_with("mcp-param-"))
+                .cloned()
+                .collect();
+            for n in stale {
+                headers.remove(n);
+            }
+            headers.remove(http::header::CONTENT_LENGTH);
+            headers.insert("mcp-method", HeaderValue::from_static("tools/call"));
+            if let Ok(v) = HeaderValue::from_str(&spec.tool) {
+                headers.insert("mcp-name", v);
+            }
+            headers.insert(
+                http::header::ACCEPT,
+                HeaderValue::from_static("application/json, text/event-stream"),
+            );
+            headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static(JSON));
+            Some(Lookup {
+                spec: spec.clone(),
+                uri,
+                headers,
+                key: key.clone(),
+                timeout: route.timeout,
+                limit: cfg.limits.max_response_bytes,
+            })
+        });
     rpc.tap = stream.map(|tx| Tap {
         tx,
         execution_id: id.to_string(),
@@ -351,6 +398,133 @@ struct Rpc {
     tap: Option<Tap>,
     /// The parent operation named in `params._meta`.
     operation: Option<String>,
+    /// The tool's `reconcile.tool` lookup, ready to send.
+    lookup: Option<Lookup>,
+}
+
+/// A `reconcile.tool` lookup: a read-only `tools/call` on the same server, with the
+/// retry's own headers (its session, if the server keeps sessions, is live).
+struct Lookup {
+    spec: ToolLookup,
+    uri: http::Uri,
+    headers: http::HeaderMap,
+    key: String,
+    timeout: Duration,
+    limit: usize,
+}
+
+impl Lookup {
+    async fn run(&self, client: &HttpClient, record: &Record) -> Verdict {
+        let id = format!("\"idemproxy-lookup-{}\"", record.id);
+        let arguments = template(&self.spec.arguments, record.id.as_str(), &self.key);
+        let arguments = serde_json::to_vec(&arguments).expect("JSON serialises");
+        let tool = serde_json::to_vec(&self.spec.tool).expect("JSON serialises");
+        let params = policy::rewrite(&[], &[("name", &tool), ("arguments", &arguments)]);
+        let message = policy::rewrite(
+            &[],
+            &[
+                ("jsonrpc", b"\"2.0\""),
+                ("id", id.as_bytes()),
+                ("method", b"\"tools/call\""),
+                ("params", &params),
+            ],
+        );
+        let req = super::downstream::build(
+            Method::POST,
+            self.uri.clone(),
+            self.headers.clone(),
+            body::full(message),
+        );
+        let sent = tokio::time::timeout(self.timeout, async {
+            let resp = client
+                .request(req)
+                .await
+                .map_err(|e| crate::wire::client::describe(&e))?;
+            let (parts, b) = resp.into_parts();
+            let bytes = http_body_util::Limited::new(b, self.limit)
+                .collect()
+                .await
+                .map_err(|e| format!("reading the lookup's answer failed: {e}"))?
+                .to_bytes();
+            Ok::<_, String>((parts, bytes))
+        })
+        .await;
+        let (parts, bytes) = match sent {
+            Err(_) => return Verdict::Unknown("the lookup tool did not answer in time".into()),
+            Ok(Err(why)) => return Verdict::Unknown(format!("the lookup tool call failed: {why}")),
+            Ok(Ok(answer)) => answer,
+        };
+        if !parts.status.is_success() {
+            return Verdict::Unknown(format!(
+                "the lookup tool call was answered HTTP {}",
+                parts.status
+            ));
+        }
+        let ct = parts
+            .headers
+            .get(http::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or(JSON);
+        let policy::Answer::Response { message, .. } = policy::answer(ct, &bytes, id.as_bytes())
+        else {
+            return Verdict::Unknown("the lookup tool's answer held no JSON-RPC response".into());
+        };
+        let parsed: serde_json::Value = match serde_json::from_slice(&message) {
+            Ok(v) => v,
+            Err(_) => return Verdict::Unknown("the lookup tool's response is not JSON".into()),
+        };
+        let result = &parsed["result"];
+        if result.is_null() || result["isError"] == serde_json::Value::Bool(true) {
+            return Verdict::Unknown(format!(
+                "the lookup tool `{}` answered with an error",
+                self.spec.tool
+            ));
+        }
+        if reconcile::matches(&self.spec.found, 200, Some(result)) {
+            let matches = self
+                .spec
+                .found
+                .json_nonempty
+                .as_deref()
+                .and_then(|p| result.pointer(p))
+                .and_then(|v| v.as_array().map(Vec::len))
+                .unwrap_or(1);
+            return Verdict::Found {
+                result: StoredResponse {
+                    status: 200,
+                    headers: vec![("content-type".to_string(), JSON.as_bytes().to_vec())],
+                    body: message,
+                },
+                external_id: None,
+                matches,
+            };
+        }
+        if reconcile::matches(&self.spec.not_found, 200, Some(result)) {
+            return Verdict::NotFound;
+        }
+        Verdict::Unknown(format!(
+            "the lookup tool `{}` answered, but neither found nor not_found matched",
+            self.spec.tool
+        ))
+    }
+}
+
+/// The lookup's arguments with `{execution_id}` and `{key}` filled in every string.
+fn template(v: &serde_json::Value, execution_id: &str, key: &str) -> serde_json::Value {
+    use serde_json::Value;
+    match v {
+        Value::String(s) => Value::String(
+            s.replace("{execution_id}", execution_id)
+                .replace("{key}", key),
+        ),
+        Value::Array(a) => Value::Array(a.iter().map(|x| template(x, execution_id, key)).collect()),
+        Value::Object(o) => Value::Object(
+            o.iter()
+                .map(|(k, x)| (k.clone(), template(x, execution_id, key)))
+                .collect(),
+        ),
+        other => other.clone(),
+    }
 }
 
 /// Splits a downstream SSE stream into events as it is read: every event but the
@@ -546,6 +720,23 @@ impl Protocol for Rpc {
         self.operation.clone()
     }
 
+    fn has_lookup(&self) -> bool {
+        self.lookup.is_some()
+    }
+
+    fn lookup<'a>(
+        &'a self,
+        client: &'a HttpClient,
+        record: &'a Record,
+    ) -> Pin<Box<dyn Future<Output = (Verdict, Duration)> + Send + 'a>> {
+        Box::pin(async move {
+            match &self.lookup {
+                Some(l) => (l.run(client, record).await, l.spec.settle),
+                None => (Verdict::Unknown("no lookup".into()), Duration::ZERO),
+            }
+        })
+    }
+
     fn tap(&self, head: &http::response::Parts, data: &Bytes) {
         let Some(tap) = &self.tap else { return };
         let sse = head
@@ -599,6 +790,7 @@ fn rejected_tool(id: &[u8], tool: &str, only_sse: bool) -> Response<ProxyBody> {
         arguments: Vec::new(),
         tap: None,
         operation: None,
+        lookup: None,
     };
     let (ct, body) = rpc.framed(message);
     let mut resp = Response::new(body::full(body));

@@ -363,6 +363,22 @@ pub(super) trait Protocol: Send + Sync {
     /// Each piece of a downstream answer as it is read, before the whole answer is judged
     /// (an MCP SSE stream's progress events reach the client while the call runs).
     fn tap(&self, _head: &http::response::Parts, _data: &Bytes) {}
+    /// Whether [`Protocol::lookup`] can reconcile an `outcome_unknown` record.
+    fn has_lookup(&self) -> bool {
+        false
+    }
+    /// Ask the downstream whether `record`'s effect happened (SPEC section 7), with the
+    /// settle window that applies to a "not found".
+    fn lookup<'a>(
+        &'a self,
+        _client: &'a HttpClient,
+        _record: &'a Record,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = (Verdict, Duration)> + Send + 'a>> {
+        Box::pin(std::future::ready((
+            Verdict::Unknown("no lookup".into()),
+            Duration::ZERO,
+        )))
+    }
     /// The parent operation when the request's headers name none (for cancellation).
     fn operation_id(&self) -> Option<String> {
         None
@@ -893,24 +909,35 @@ impl Call<'_> {
                     Err(e) => Step::Respond(self.store_failed(e)),
                 }
             }
-            Plan::Lookup(spec) => {
-                let limit = self.rt.config.limits.max_response_bytes;
-                let headers = downstream::request_headers(
-                    &self.parts.headers,
-                    self.target.upstream,
-                    self.peer,
-                    &[&self.rt.config.identity.key_header],
-                );
-                let verdict = lookup::lookup(
-                    self.client,
-                    self.target.upstream,
-                    route,
-                    spec,
-                    &record,
-                    Some(headers),
-                    limit,
-                )
-                .await;
+            // A sibling protocol's own lookup (an MCP `reconcile.tool`) when the route has none.
+            plan @ (Plan::Lookup(_) | Plan::Operator)
+                if matches!(plan, Plan::Lookup(_))
+                    || self.proto.is_some_and(|p| p.has_lookup()) =>
+            {
+                let (verdict, settle) = match (plan, self.proto) {
+                    (Plan::Lookup(spec), _) => {
+                        let limit = self.rt.config.limits.max_response_bytes;
+                        let headers = downstream::request_headers(
+                            &self.parts.headers,
+                            self.target.upstream,
+                            self.peer,
+                            &[&self.rt.config.identity.key_header],
+                        );
+                        let verdict = lookup::lookup(
+                            self.client,
+                            self.target.upstream,
+                            route,
+                            spec,
+                            &record,
+                            Some(headers),
+                            limit,
+                        )
+                        .await;
+                        (verdict, spec.settle)
+                    }
+                    (_, Some(p)) => p.lookup(self.client, &record).await,
+                    (_, None) => unreachable!("guarded above"),
+                };
                 let result = verdict.name();
                 match verdict {
                     found @ Verdict::Found { .. } => {
@@ -934,7 +961,7 @@ impl Call<'_> {
                             Err(e) => Step::Respond(self.store_failed(e)),
                         }
                     }
-                    Verdict::NotFound => match reconcile::settled(&record, spec.settle, now_ms()) {
+                    Verdict::NotFound => match reconcile::settled(&record, settle, now_ms()) {
                         Ok(()) => {
                             let mut r = record;
                             let note = "reconciled: the lookup did not find the effect; it may execute under the same key";
@@ -960,7 +987,7 @@ impl Call<'_> {
                                 .reconciled(upstream_name, route_name, "unknown");
                             self.count_prevented();
                             Step::Respond(self.unknown_retry(
-                                format!("the lookup did not find the effect, but the last attempt may still be in progress downstream (settle window {:?}); it is not re-sent yet", spec.settle),
+                                format!("the lookup did not find the effect, but the last attempt may still be in progress downstream (settle window {:?}); it is not re-sent yet", settle),
                                 Some(left),
                             ))
                         }
@@ -976,7 +1003,7 @@ impl Call<'_> {
                     }
                 }
             }
-            Plan::Operator => {
+            Plan::Lookup(_) | Plan::Operator => {
                 self.count_prevented();
                 Step::Respond(self.unknown_retry(
                     "an earlier attempt may or may not have taken effect, and this route has no way to find out (no replaying downstream key, no reconcile lookup); it stays unknown until an operator resolves it".into(),
