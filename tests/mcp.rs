@@ -131,6 +131,12 @@ upstreams:
             not_found: {{ json_empty: /structuredContent/items }}
         find_email: {{ class: read_only }}
         stats: {{ class: read_only }}
+  - name: hinted
+    url: {json}
+    mount: /hinted
+    protocol: mcp
+    mcp:
+      unlisted: by_annotations
   - name: flaky
     url: {fake}
     mount: /flaky
@@ -367,6 +373,31 @@ async fn wire_approval_reject_and_dropped_connection() {
     assert_eq!(retry.json()["id"], 6);
     assert_eq!(w.fake.commits(), 1, "never re-sent blindly");
 
+    // unlisted: by_annotations: the server's readOnlyHint makes search_docs read-only
+    // (passed through, no record); send_email has no hint and is protected.
+    let url = w.proxy.url("/hinted/mcp");
+    let read = rpc(
+        &c,
+        &url,
+        &tool_call(json!(20), "search_docs", json!({"query": "q"}), None),
+    )
+    .await;
+    assert_eq!(read.status, StatusCode::OK, "{read:?}");
+    assert!(read.json()["result"].is_object(), "{read:?}");
+    assert_eq!(read.header("idempotency-execution-id"), None, "{read:?}");
+    let keyless = rpc(
+        &c,
+        &url,
+        &tool_call(
+            json!(21),
+            "send_email",
+            json!({"to": "h", "subject": "s"}),
+            None,
+        ),
+    )
+    .await;
+    assert_eq!(keyless.json()["error"]["code"], -32001, "{keyless:?}");
+
     // reconcile.tool: the answer never came (timeout), the retry asks the lookup tool,
     // which finds the effect: committed with the lookup's result, executed once.
     let url = w.proxy.url("/recon/mcp");
@@ -485,7 +516,7 @@ fn check_prints_the_tool_table_and_names_bad_tool_keys() {
     let bad = dir.path().join("bad.yaml");
     std::fs::write(
         &bad,
-        "upstreams:\n  - name: t\n    url: http://127.0.0.1:9\n    protocol: mcp\n    mcp:\n      unlisted: by_annotations\n      tools:\n        send_email: { class: sometimes, match: { path: / } }\n",
+        "upstreams:\n  - name: t\n    url: http://127.0.0.1:9\n    protocol: mcp\n    mcp:\n      unlisted: by_tool_names\n      tools:\n        send_email: { class: sometimes, match: { path: / } }\n",
     )
     .expect("write");
     let out = cli(&["check", "--config", bad.to_str().expect("utf-8")]);

@@ -226,6 +226,16 @@ pub struct McpConfig {
     pub unlisted_route: Route,
     /// `reconcile.tool` lookups, by the name of the tool they reconcile.
     pub lookups: Vec<(String, ToolLookup)>,
+    /// `unlisted: by_annotations`: the server's `readOnlyHint` per tool, as last fetched
+    /// (`proxy::mcp`); a reload starts afresh.
+    pub hints: parking_lot::Mutex<ToolHints>,
+}
+
+/// The server's `tools/list` annotations: tool name → `readOnlyHint: true`.
+#[derive(Debug, Default)]
+pub struct ToolHints {
+    pub read_only: std::collections::HashMap<String, bool>,
+    pub fetched_at: Option<std::time::Instant>,
 }
 
 /// `reconcile: { tool, arguments, found, not_found, settle }` of an MCP tool: a read-only
@@ -244,6 +254,8 @@ pub struct ToolLookup {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Unlisted {
     SideEffect,
+    /// The server's `tools/list` annotations: `readOnlyHint: true` → read-only.
+    ByAnnotations,
     Reject,
 }
 
@@ -572,6 +584,9 @@ fn describe_mcp(out: &mut String, up: &Upstream, mcp: &McpConfig) {
         "(unlisted)",
         match mcp.unlisted {
             Unlisted::SideEffect => "side_effect (v1, key required)",
+            Unlisted::ByAnnotations => {
+                "by_annotations (readOnlyHint: true -> read_only, else side_effect v1)"
+            }
             Unlisted::Reject => "reject",
         }
     );

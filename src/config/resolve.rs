@@ -707,17 +707,13 @@ impl Validator {
         let unlisted = match m.unlisted.as_deref() {
             None | Some("side_effect") => Unlisted::SideEffect,
             Some("reject") => Unlisted::Reject,
-            Some("by_annotations") => {
-                self.err(
-                    format!("{path}.mcp.unlisted"),
-                    "`by_annotations` is not supported by this version (expected side_effect | reject)",
-                );
-                Unlisted::SideEffect
-            }
+            Some("by_annotations") => Unlisted::ByAnnotations,
             Some(other) => {
                 self.err(
                     format!("{path}.mcp.unlisted"),
-                    format!("expected one of side_effect | reject, found `{other}`"),
+                    format!(
+                        "expected one of side_effect | by_annotations | reject, found `{other}`"
+                    ),
                 );
                 Unlisted::SideEffect
             }
@@ -774,6 +770,7 @@ impl Validator {
             tools,
             unlisted_route,
             lookups,
+            hints: Default::default(),
         }
     }
 

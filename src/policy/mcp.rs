@@ -164,6 +164,9 @@ pub enum Tool<'a> {
     SideEffect(Cow<'a, Route>),
     /// Unlisted under `unlisted: reject`.
     Rejected,
+    /// Unlisted under `unlisted: by_annotations`: the server's `readOnlyHint` decides
+    /// ([`unlisted_side_effect`] if it is not `true`).
+    ByAnnotations,
 }
 
 /// The policy of the tool `name` (the YAML entry, else `unlisted`).
@@ -173,13 +176,34 @@ pub fn classify<'a>(mcp: &'a McpConfig, name: &str) -> Tool<'a> {
         Some(t) => Tool::SideEffect(Cow::Borrowed(t)),
         None => match mcp.unlisted {
             Unlisted::Reject => Tool::Rejected,
-            Unlisted::SideEffect => {
-                let mut r = mcp.unlisted_route.clone();
-                r.name = name.to_string();
-                Tool::SideEffect(Cow::Owned(r))
-            }
+            Unlisted::ByAnnotations => Tool::ByAnnotations,
+            Unlisted::SideEffect => Tool::SideEffect(unlisted_side_effect(mcp, name)),
         },
     }
+}
+
+/// The policy of an unlisted side-effecting tool: the upstream's `unlisted` route, named
+/// after the tool.
+pub fn unlisted_side_effect<'a>(mcp: &McpConfig, name: &str) -> Cow<'a, Route> {
+    let mut r = mcp.unlisted_route.clone();
+    r.name = name.to_string();
+    Cow::Owned(r)
+}
+
+/// The tools a `tools/list` result marks `readOnlyHint: true`, every listed tool named,
+/// and the next page's cursor.
+pub fn tool_hints(result: &serde_json::Value) -> (Vec<(String, bool)>, Option<String>) {
+    let tools = result["tools"].as_array().map(Vec::as_slice).unwrap_or(&[]);
+    let hints = tools
+        .iter()
+        .filter_map(|t| {
+            let name = t["name"].as_str()?;
+            let read_only = t["annotations"]["readOnlyHint"] == serde_json::Value::Bool(true);
+            Some((name.to_string(), read_only))
+        })
+        .collect();
+    let next = result["nextCursor"].as_str().map(str::to_string);
+    (hints, next)
 }
 
 /// Whether any of a batch's tool calls is side-effecting (or refused): such a batch is

@@ -20,7 +20,7 @@ use tokio::sync::mpsc;
 
 use super::side_effect::{self, Judged, Protocol, Sibling};
 use super::{passthrough, replay, Proxy, Runtime};
-use crate::config::ToolLookup;
+use crate::config::{McpConfig, ToolLookup};
 use crate::policy::classify::Target;
 use crate::policy::identity::{self, ExecutionId, KeyLookup};
 use crate::policy::mcp::{self as policy, Message, Tool};
@@ -83,8 +83,18 @@ pub async fn handle(
         }
         Message::ToolCall(call) => call.name,
     };
-    match policy::classify(mcp, &tool) {
-        Tool::ReadOnly => forward(parts, body).await,
+    let class = match policy::classify(mcp, &tool) {
+        Tool::ByAnnotations => {
+            if read_only_hint(rt, &target, &parts, mcp, &tool, &peer).await {
+                Tool::ReadOnly
+            } else {
+                Tool::SideEffect(policy::unlisted_side_effect(mcp, &tool))
+            }
+        }
+        other => other,
+    };
+    match class {
+        Tool::ReadOnly | Tool::ByAnnotations => forward(parts, body).await,
         Tool::Rejected => {
             let Message::ToolCall(call) = policy::parse(&body) else {
                 unreachable!("parsed as a tools/call above")
@@ -111,6 +121,140 @@ pub async fn handle(
             }
         }
     }
+}
+
+/// Whether the server's `tools/list` marks `tool` `readOnlyHint: true` (`unlisted:
+/// by_annotations`). Fetched with the client's own headers (its session and protocol
+/// version) when the tool is not known yet, at most every few seconds; anything that
+/// fails reads as "not read-only": an unknown tool is protected.
+async fn read_only_hint(
+    rt: &Runtime,
+    target: &Target<'_>,
+    parts: &http::request::Parts,
+    mcp: &McpConfig,
+    tool: &str,
+    peer: &ClientAddr,
+) -> bool {
+    {
+        let hints = mcp.hints.lock();
+        if let Some(read_only) = hints.read_only.get(tool) {
+            return *read_only;
+        }
+        if hints
+            .fetched_at
+            .is_some_and(|t| t.elapsed() < Duration::from_secs(5))
+        {
+            return false;
+        }
+    }
+    let client = &rt.clients[target.upstream_index];
+    let Ok(uri) = super::downstream::target_uri(target, parts.uri.query()) else {
+        return false;
+    };
+    let mut headers = super::downstream::request_headers(
+        &parts.headers,
+        target.upstream,
+        peer,
+        &[&rt.config.identity.key_header],
+    );
+    mcp_headers(&mut headers, "tools/list", None);
+    let mut cursor: Option<String> = None;
+    let mut found = Vec::new();
+    for _page in 0..20 {
+        let mut params = serde_json::json!({});
+        if let Some(c) = &cursor {
+            params["cursor"] = serde_json::Value::String(c.clone());
+        }
+        let id = b"\"idemproxy-tools-list\"";
+        let message = serde_json::json!({
+            "jsonrpc": "2.0", "id": "idemproxy-tools-list", "method": "tools/list", "params": params,
+        });
+        let req = super::downstream::build(
+            Method::POST,
+            uri.clone(),
+            headers.clone(),
+            body::full(serde_json::to_vec(&message).expect("JSON serialises")),
+        );
+        let Some((ct, bytes)) = post(
+            client,
+            req,
+            target.route.timeout,
+            rt.config.limits.max_response_bytes,
+        )
+        .await
+        else {
+            break;
+        };
+        let policy::Answer::Response { message, .. } = policy::answer(&ct, &bytes, id) else {
+            break;
+        };
+        let Ok(v) = serde_json::from_slice::<serde_json::Value>(&message) else {
+            break;
+        };
+        let (hints, next) = policy::tool_hints(&v["result"]);
+        found.extend(hints);
+        match next {
+            Some(c) => cursor = Some(c),
+            None => break,
+        }
+    }
+    let mut hints = mcp.hints.lock();
+    hints.fetched_at = Some(std::time::Instant::now());
+    hints.read_only.extend(found);
+    hints.read_only.get(tool).copied().unwrap_or(false)
+}
+
+/// The 2026-07-28 routing headers for a request the proxy makes itself on the client's
+/// headers: `Mcp-Method`/`Mcp-Name` name it, no `Mcp-Param-*` of the client's call.
+fn mcp_headers(headers: &mut http::HeaderMap, method: &'static str, name: Option<&str>) {
+    let stale: Vec<http::HeaderName> = headers
+        .keys()
+        .filter(|n| n.as_str().starts_with("mcp-param-") || n.as_str() == "mcp-name")
+        .cloned()
+        .collect();
+    for n in stale {
+        headers.remove(n);
+    }
+    headers.remove(http::header::CONTENT_LENGTH);
+    headers.insert("mcp-method", HeaderValue::from_static(method));
+    if let Some(v) = name.and_then(|n| HeaderValue::from_str(n).ok()) {
+        headers.insert("mcp-name", v);
+    }
+    headers.insert(
+        http::header::ACCEPT,
+        HeaderValue::from_static("application/json, text/event-stream"),
+    );
+    headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static(JSON));
+}
+
+/// Send a request the proxy makes itself; its answer's content type and body when 2xx.
+async fn post(
+    client: &HttpClient,
+    req: Request<ProxyBody>,
+    timeout: Duration,
+    limit: usize,
+) -> Option<(String, Bytes)> {
+    let answer = tokio::time::timeout(timeout, async {
+        let resp = client.request(req).await.ok()?;
+        let (parts, b) = resp.into_parts();
+        if !parts.status.is_success() {
+            return None;
+        }
+        let ct = parts
+            .headers
+            .get(http::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or(JSON)
+            .to_string();
+        let bytes = http_body_util::Limited::new(b, limit)
+            .collect()
+            .await
+            .ok()?
+            .to_bytes();
+        Some((ct, bytes))
+    })
+    .await;
+    answer.ok().flatten()
 }
 
 fn joined(done: Result<Response<ProxyBody>, tokio::task::JoinError>) -> Response<ProxyBody> {
@@ -246,8 +390,11 @@ async fn tool_call(
     let Message::ToolCall(call) = policy::parse(&body) else {
         unreachable!("parsed as a tools/call before")
     };
-    let Tool::SideEffect(route) = policy::classify(mcp, &call.name) else {
-        unreachable!("classified as a side effect before")
+    let route = match policy::classify(mcp, &call.name) {
+        Tool::SideEffect(route) => route,
+        // The server's annotations did not say read-only (checked before).
+        Tool::ByAnnotations => policy::unlisted_side_effect(mcp, &call.name),
+        _ => unreachable!("classified as a side effect before"),
     };
     let only_sse = policy::wants_only_sse(accept(&parts.headers));
     let mut rpc = Rpc {
@@ -332,24 +479,7 @@ async fn tool_call(
                 &[&cfg.identity.key_header],
             );
             // The lookup is its own tools/call: the 2026-07-28 routing headers name it.
-            let stale: Vec<http::HeaderName> = headers
-                .keys()
-                .filter(|n| n.as_str().starts_with("mcp-param-"))
-                .cloned()
-                .collect();
-            for n in stale {
-                headers.remove(n);
-            }
-            headers.remove(http::header::CONTENT_LENGTH);
-            headers.insert("mcp-method", HeaderValue::from_static("tools/call"));
-            if let Ok(v) = HeaderValue::from_str(&spec.tool) {
-                headers.insert("mcp-name", v);
-            }
-            headers.insert(
-                http::header::ACCEPT,
-                HeaderValue::from_static("application/json, text/event-stream"),
-            );
-            headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static(JSON));
+            mcp_headers(&mut headers, "tools/call", Some(&spec.tool));
             Some(Lookup {
                 spec: spec.clone(),
                 uri,
