@@ -928,3 +928,109 @@ fn rejected_tool(id: &[u8], tool: &str, only_sse: bool) -> Response<ProxyBody> {
         .insert(http::header::CONTENT_TYPE, HeaderValue::from_static(ct));
     resp
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rpc() -> Rpc {
+        Rpc {
+            request_id: b"7".to_vec(),
+            only_sse: false,
+            arguments: Vec::new(),
+            tap: None,
+            operation: None,
+            lookup: None,
+        }
+    }
+
+    fn head(status: u16, ct: &str) -> http::response::Parts {
+        let (mut parts, ()) = Response::new(()).into_parts();
+        parts.status = StatusCode::from_u16(status).unwrap();
+        parts.headers.insert(
+            http::header::CONTENT_TYPE,
+            HeaderValue::from_str(ct).unwrap(),
+        );
+        parts
+    }
+
+    fn judged(status: u16, ct: &str, body: &'static str) -> Judged {
+        rpc().judge(&head(status, ct), &Bytes::from_static(body.as_bytes()))
+    }
+
+    #[test]
+    fn judges_downstream_answers() {
+        let ok = judged(
+            200,
+            JSON,
+            r#"{"jsonrpc":"2.0","id":7,"result":{"isError":true}}"#,
+        );
+        assert!(
+            matches!(ok, Judged::Answer { server_error: false, ref stored } if stored.status == 200)
+        );
+        // A JSON-RPC internal error is judged by on_5xx; other errors are committed.
+        let internal = judged(
+            200,
+            JSON,
+            r#"{"jsonrpc":"2.0","id":7,"error":{"code":-32603,"message":"x"}}"#,
+        );
+        assert!(matches!(
+            internal,
+            Judged::Answer {
+                server_error: true,
+                ..
+            }
+        ));
+        let invalid = judged(
+            200,
+            JSON,
+            r#"{"jsonrpc":"2.0","id":7,"error":{"code":-32602,"message":"x"}}"#,
+        );
+        assert!(matches!(
+            invalid,
+            Judged::Answer {
+                server_error: false,
+                ..
+            }
+        ));
+        // A stream that ended before the response: lost, never committed.
+        let cut = judged(
+            200,
+            SSE,
+            "event: message\ndata: {\"jsonrpc\":\"2.0\",\"method\":\"notifications/progress\"}\n\n",
+        );
+        assert!(matches!(cut, Judged::Lost(_)));
+        assert!(matches!(judged(404, JSON, "{}"), Judged::Refused(..)));
+        assert!(matches!(
+            judged(503, "text/plain", "down"),
+            Judged::Answer {
+                server_error: true,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn the_tap_forwards_every_event_but_the_response() {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let tap = Tap {
+            tx,
+            execution_id: "ex_1".into(),
+            state: Mutex::new(TapState::default()),
+        };
+        let stream = "id: 1\ndata: \n\nevent: message\ndata: {\"jsonrpc\":\"2.0\",\"method\":\"notifications/progress\",\"params\":{}}\r\n\r\nevent: message\ndata: {\"jsonrpc\":\"2.0\",\"id\":7,\"result\":{}}\n\n";
+        // Fed in pieces that cut events (and a CRLF separator) in half.
+        for piece in stream.as_bytes().chunks(7) {
+            tap.feed(piece);
+        }
+        assert!(tap.started());
+        assert!(matches!(rx.try_recv(), Ok(Out::Start(id)) if id == "ex_1"));
+        let mut events = Vec::new();
+        while let Ok(Out::Data(b)) = rx.try_recv() {
+            events.push(String::from_utf8(b.to_vec()).unwrap());
+        }
+        assert_eq!(events.len(), 2, "{events:?}");
+        assert!(events[1].contains("notifications/progress"));
+        assert!(events.iter().all(|e| !e.contains("\"result\"")));
+    }
+}
