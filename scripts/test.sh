@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The project's test command (README "Quick start"; CI calls it through .ci/run).
 # Sets up what the tests need on a fresh machine (Debian's Chromium and the pinned
-# playwright-core driver for the console test, the pinned MCP Python SDK for tests/mcp.rs), then the lint gates, then every test:
+# playwright-core driver for the console test, the pinned MCP Python and TypeScript SDKs for tests/mcp.rs), then the lint gates, then every test:
 # unit, integration (real binary, real redb, SIGKILL), PostgreSQL store tests against the
 # real server, the crash matrix (failpoints feature) and the console in headless Chromium.
 set -euo pipefail
@@ -37,6 +37,9 @@ if ! cmp -s fixtures/mcp/requirements.txt "$MCP_VENV/.requirements" 2>/dev/null;
   python3 -m venv "$MCP_VENV"
   "$MCP_VENV/bin/pip" install -q --disable-pip-version-check -r fixtures/mcp/requirements.txt
   cp fixtures/mcp/requirements.txt "$MCP_VENV/.requirements"
+fi
+if [ ! -d fixtures/mcp/ts/node_modules ]; then
+  (cd fixtures/mcp/ts && npm ci --no-audit --no-fund --silent)
 fi
 if [ ! -d tests/browser/node_modules ]; then
   (cd tests/browser && npm ci --no-audit --no-fund --silent)

@@ -243,6 +243,38 @@ async fn official_sdk_client_gets_exactly_once_tool_calls() {
     );
 }
 
+/// The official TypeScript SDK's client (`fixtures/mcp/ts`, installed by scripts/test.sh)
+/// against the Python server through the proxy: a retry runs once, changed arguments are
+/// refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn official_typescript_sdk_client_gets_the_first_result() {
+    let modules = fixture("ts/node_modules/@modelcontextprotocol/sdk");
+    assert!(
+        std::path::Path::new(&modules).is_dir(),
+        "no MCP TypeScript SDK at {modules}: run scripts/test.sh (npm ci in fixtures/mcp/ts)"
+    );
+    let w = world().await;
+    let url = w.proxy.url("/json/mcp");
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new("node")
+            .arg(fixture("ts/client.mjs"))
+            .arg(url)
+            .output()
+            .expect("run node")
+    })
+    .await
+    .expect("node task");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.lines().last() == Some("ok"),
+        "TypeScript client failed:\n{stdout}\n{}\nproxy stderr:\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        w.proxy.stderr_lines().join("\n")
+    );
+    println!("{stdout}");
+    assert_eq!(executions(&client(), &w, "send_email").await, 1);
+}
+
 /// The wire as a plain HTTP client sees it: the session header passes through, the
 /// downstream gets the execution id as `Idempotency-Key` and in `params._meta`, an
 /// approval round-trips through the admin API, an unlisted tool under `unlisted: reject`
