@@ -464,6 +464,7 @@ async fn wire_approval_reject_and_dropped_connection() {
         "{v}"
     );
     assert_eq!(found.header("idempotent-replayed"), Some("true"));
+    assert_eq!(found.header("idempotency-reconciled"), Some("lookup"));
     assert_eq!(executions(&c, &w, "slow_commit").await, 1);
 
     // Cancelling the operation named in params._meta stops its calls before sending.

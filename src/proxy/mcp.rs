@@ -28,7 +28,7 @@ use crate::policy::reconcile::{self, Verdict};
 use crate::store::{Record, StoredResponse};
 use crate::wire::body::{self, BoxError, ProxyBody, RequestBody};
 use crate::wire::client::HttpClient;
-use crate::wire::headers::{ClientAddr, EXECUTION_ID};
+use crate::wire::headers::{ClientAddr, EXECUTION_ID, RECONCILED};
 use crate::wire::problem::{Kind, Problem};
 
 const JSON: &str = "application/json";
@@ -622,7 +622,10 @@ impl Lookup {
             return Verdict::Found {
                 result: StoredResponse {
                     status: 200,
-                    headers: vec![("content-type".to_string(), JSON.as_bytes().to_vec())],
+                    headers: vec![
+                        ("content-type".to_string(), JSON.as_bytes().to_vec()),
+                        (RECONCILED.as_str().to_string(), b"lookup".to_vec()),
+                    ],
                     body: message,
                 },
                 external_id: None,
@@ -839,6 +842,16 @@ impl Protocol for Rpc {
             EXECUTION_ID,
             HeaderValue::from_str(id.as_str()).unwrap_or(HeaderValue::from_static("")),
         );
+        // An answer a reconciliation lookup found says so, as on HTTP routes.
+        if let Some((_, v)) = stored
+            .headers
+            .iter()
+            .find(|(n, _)| n == RECONCILED.as_str())
+        {
+            if let Ok(v) = HeaderValue::from_bytes(v) {
+                h.insert(RECONCILED, v);
+            }
+        }
         resp
     }
 
