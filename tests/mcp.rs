@@ -241,6 +241,7 @@ async fn official_sdk_client_gets_exactly_once_tool_calls() {
         String::from_utf8_lossy(&out.stderr),
         w.proxy.stderr_lines().join("\n")
     );
+    println!("{stdout}");
 }
 
 /// The official TypeScript SDK's client (`fixtures/mcp/ts`, installed by scripts/test.sh)
