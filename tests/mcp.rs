@@ -17,6 +17,54 @@ use common::{cli, client, post, send, ProxyProc, Resp, TestClient, ADMIN_TOKEN, 
 use http::{Method, StatusCode};
 use serde_json::{json, Value};
 
+const PG_URL_VAR: &str = "IDEMPROXY_TEST_POSTGRES_URL";
+
+/// A fresh PostgreSQL schema, dropped when the guard goes away.
+struct Schema {
+    name: String,
+    url: String,
+}
+
+impl Schema {
+    fn new(tag: &str) -> Schema {
+        let url = std::env::var(PG_URL_VAR).unwrap_or_else(|_| {
+            panic!("{PG_URL_VAR} is not set: this test needs a real PostgreSQL server (e.g. postgres://postgres@127.0.0.1:5432/test)")
+        });
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("clock")
+            .as_nanos();
+        Schema {
+            name: format!("it_{tag}_{}_{}", std::process::id(), nanos % 1_000_000_000),
+            url,
+        }
+    }
+}
+
+impl Drop for Schema {
+    fn drop(&mut self) {
+        let (url, name) = (self.url.clone(), self.name.clone());
+        // Its own thread: Drop may run inside the test's runtime.
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async move {
+                if let Ok((client, conn)) =
+                    tokio_postgres::connect(&url, tokio_postgres::NoTls).await
+                {
+                    tokio::spawn(conn);
+                    let _ = client
+                        .batch_execute(&format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE"))
+                        .await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
 fn venv_python() -> PathBuf {
     let venv = std::env::var_os("IDEMPROXY_MCP_VENV")
         .map(PathBuf::from)
@@ -82,10 +130,18 @@ impl Drop for McpServer {
 }
 
 fn config(dir: &std::path::Path, json: &str, sse: &str, fake: &str) -> String {
+    let store = format!(
+        "{{ backend: redb, path: {}/store.redb, retention: 1h }}",
+        dir.display()
+    );
+    config_on(&store, json, sse, fake)
+}
+
+fn config_on(store: &str, json: &str, sse: &str, fake: &str) -> String {
     format!(
         r#"listen: 127.0.0.1:0
 admin: {{ listen: 127.0.0.1:0, token_env: {ADMIN_TOKEN_ENV} }}
-store: {{ backend: redb, path: {dir}/store.redb, retention: 1h }}
+store: {store}
 identity:
   derive_from_meta: [io.idemproxy/operation_id, io.idemproxy/model_round, io.idemproxy/tool_call_id]
 upstreams:
@@ -141,13 +197,13 @@ upstreams:
     url: {fake}
     mount: /flaky
     protocol: mcp
-"#,
-        dir = dir.display()
+"#
     )
 }
 
 struct World {
     _dir: tempfile::TempDir,
+    _schema: Option<Schema>,
     json: McpServer,
     sse: McpServer,
     fake: FakeDownstream,
@@ -155,14 +211,31 @@ struct World {
 }
 
 async fn world() -> World {
+    world_on(None).await
+}
+
+/// The fixtures and a proxy on redb, or on PostgreSQL in `schema`.
+async fn world_on(schema: Option<Schema>) -> World {
     let json = McpServer::start("json");
     let sse = McpServer::start("sse");
     let fake = FakeDownstream::start().await;
     let dir = tempfile::tempdir().expect("tempdir");
-    let yaml = config(dir.path(), &json.url(), &sse.url(), &fake.url());
+    let yaml = match &schema {
+        None => config(dir.path(), &json.url(), &sse.url(), &fake.url()),
+        Some(s) => config_on(
+            &format!(
+                "{{ backend: postgres, url_env: {PG_URL_VAR}, schema: {}, retention: 1h }}",
+                s.name
+            ),
+            &json.url(),
+            &sse.url(),
+            &fake.url(),
+        ),
+    };
     let proxy = ProxyProc::start_with_env(dir.path(), &yaml, &[(ADMIN_TOKEN_ENV, ADMIN_TOKEN)]);
     World {
         _dir: dir,
+        _schema: schema,
         json,
         sse,
         fake,
@@ -283,7 +356,16 @@ async fn official_typescript_sdk_client_gets_the_first_result() {
 /// and never re-sent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wire_approval_reject_and_dropped_connection() {
-    let w = world().await;
+    wire(world().await).await;
+}
+
+/// The same on the PostgreSQL store (`IDEMPROXY_TEST_POSTGRES_URL`, a schema of its own).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wire_on_postgres() {
+    wire(world_on(Some(Schema::new("mcp"))).await).await;
+}
+
+async fn wire(w: World) {
     let c = client();
 
     // initialize through the proxy: the session id comes back untouched.
