@@ -442,6 +442,18 @@ async fn wire(w: World) {
     assert_eq!(again.json()["id"], 3);
     assert_eq!(executions(&c, &w, "send_email").await, 1);
 
+    // A repeated member name could make the server read a call the proxy did not see:
+    // refused, nothing sent.
+    let sneaky = rpc(
+        &c,
+        &url,
+        r#"{"jsonrpc":"2.0","id":5,"method":"tools/call","params":{"name":"stats","name":"send_email","arguments":{"to":"x","subject":"y"}}}"#,
+    )
+    .await;
+    assert_eq!(sneaky.status, StatusCode::BAD_REQUEST, "{sneaky:?}");
+    assert_eq!(sneaky.json()["error"]["code"], -32700, "{sneaky:?}");
+    assert_eq!(executions(&c, &w, "send_email").await, 1);
+
     // unlisted: reject.
     let refused = rpc(
         &c,

@@ -96,7 +96,11 @@ pub enum Message<'a> {
     ToolCall(ToolCall<'a>),
     /// A JSON-RPC batch array; the names of the tools its `tools/call` requests call.
     Batch(Vec<String>),
-    /// Anything else (another method, a notification, a response, not JSON): passed through.
+    /// Not one JSON object or array the proxy can read (not JSON, NaN, a repeated member
+    /// name in the message or its `params`): which method or tool the server would see is
+    /// not knowable, so it is refused rather than passed through unprotected.
+    Unreadable,
+    /// Anything else (another method, a notification, a response): passed through.
     Other,
 }
 
@@ -115,22 +119,33 @@ pub struct ToolCall<'a> {
 pub fn parse(body: &[u8]) -> Message<'_> {
     let first = body.iter().find(|b| !b.is_ascii_whitespace());
     if first == Some(&b'[') {
-        return Message::Batch(batch_tools(body).unwrap_or_default());
+        return match batch_tools(body) {
+            Some(names) => Message::Batch(names),
+            None => Message::Unreadable,
+        };
     }
-    match tool_call(body) {
-        Some(call) => Message::ToolCall(call),
-        None => Message::Other,
-    }
+    one(body)
 }
 
-fn tool_call(body: &[u8]) -> Option<ToolCall<'_>> {
-    let top = members(body)?;
-    if string(member(&top, "method")?)? != "tools/call" {
-        return None;
+fn one(body: &[u8]) -> Message<'_> {
+    let Some(top) = members(body).filter(|m| unique(m)) else {
+        return Message::Unreadable;
+    };
+    if member(&top, "method").and_then(string).as_deref() != Some("tools/call") {
+        return Message::Other;
     }
-    let params = members(member(&top, "params")?)?;
-    let name = string(member(&params, "name")?)?;
-    Some(ToolCall {
+    // A tools/call whose params cannot be read for sure is refused: the server might read
+    // a tool the proxy did not.
+    let Some(params) = member(&top, "params")
+        .and_then(members)
+        .filter(|m| unique(m))
+    else {
+        return Message::Unreadable;
+    };
+    let Some(name) = member(&params, "name").and_then(string) else {
+        return Message::Unreadable;
+    };
+    Message::ToolCall(ToolCall {
         id: member(&top, "id").unwrap_or(b"null"),
         name,
         meta: member(&params, "_meta"),
@@ -139,6 +154,14 @@ fn tool_call(body: &[u8]) -> Option<ToolCall<'_>> {
     })
 }
 
+fn unique(members: &[(String, &[u8])]) -> bool {
+    let mut names: Vec<&str> = members.iter().map(|(n, _)| n.as_str()).collect();
+    names.sort_unstable();
+    names.windows(2).all(|w| w[0] != w[1])
+}
+
+/// The tools a batch calls; `None` when any element is unreadable (the batch is then
+/// refused as a whole).
 fn batch_tools(body: &[u8]) -> Option<Vec<String>> {
     let mut p = jiter::Jiter::new(body);
     let mut names = Vec::new();
@@ -147,11 +170,14 @@ fn batch_tools(body: &[u8]) -> Option<Vec<String>> {
         let start = p.current_index();
         p.next_skip().ok()?;
         let raw = trim(&body[start..p.current_index()]);
-        if let Some(call) = tool_call(raw) {
-            names.push(call.name);
+        match one(raw) {
+            Message::ToolCall(call) => names.push(call.name),
+            Message::Other => {}
+            _ => return None,
         }
         next = p.array_step().ok()?;
     }
+    p.finish().ok()?;
     Some(names)
 }
 
@@ -561,7 +587,20 @@ mod tests {
             parse(br#"{"jsonrpc":"2.0","id":1,"method":"tools/list"}"#),
             Message::Other
         ));
-        assert!(matches!(parse(b"not json"), Message::Other));
+        assert!(matches!(parse(b"not json"), Message::Unreadable));
+        // A repeated name could make the server read another method or tool.
+        assert!(matches!(
+            parse(br#"{"jsonrpc":"2.0","id":1,"method":"tools/list","method":"tools/call","params":{"name":"x"}}"#),
+            Message::Unreadable
+        ));
+        assert!(matches!(
+            parse(br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"read","name":"write"}}"#),
+            Message::Unreadable
+        ));
+        assert!(matches!(
+            parse(br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"x","arguments":{"n":NaN}}}"#),
+            Message::Unreadable
+        ));
         let Message::Batch(names) = parse(
             br#"[{"jsonrpc":"2.0","method":"notifications/initialized"}, {"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"x"}}]"#,
         ) else {

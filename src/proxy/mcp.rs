@@ -82,6 +82,7 @@ pub async fn handle(
             return forward(parts, body).await;
         }
         Message::ToolCall(call) => call.name,
+        Message::Unreadable => return unreadable(),
     };
     let class = match policy::classify(mcp, &tool) {
         Tool::ByAnnotations => {
@@ -904,6 +905,28 @@ fn batch_refused() -> Response<ProxyBody> {
         b"null",
         -32600,
         "Batch with a side-effecting tool call",
+        &serde_json::to_vec(&problem).expect("JSON serialises"),
+    );
+    let mut resp = Response::new(body::full(message));
+    *resp.status_mut() = StatusCode::BAD_REQUEST;
+    resp.headers_mut()
+        .insert(http::header::CONTENT_TYPE, HeaderValue::from_static(JSON));
+    resp
+}
+
+/// A POST body the proxy cannot read for sure (not JSON, a repeated member name): refused,
+/// nothing sent, since the server might read a side-effecting call in it.
+fn unreadable() -> Response<ProxyBody> {
+    let problem = serde_json::json!({
+        "type": "urn:idemproxy:problem:body-ambiguous",
+        "title": "Unreadable JSON-RPC message",
+        "status": 400,
+        "detail": "the body is not one JSON-RPC message the proxy can read unambiguously (not JSON, or a member name repeated in the message or its params); nothing was sent",
+    });
+    let message = policy::error_response(
+        b"null",
+        -32700,
+        "Unreadable JSON-RPC message",
         &serde_json::to_vec(&problem).expect("JSON serialises"),
     );
     let mut resp = Response::new(body::full(message));
