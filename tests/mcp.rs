@@ -452,6 +452,21 @@ async fn wire(w: World) {
     .await;
     assert_eq!(sneaky.status, StatusCode::BAD_REQUEST, "{sneaky:?}");
     assert_eq!(sneaky.json()["error"]["code"], -32700, "{sneaky:?}");
+    // So could routing headers that name another tool than the body.
+    let body = tool_call(json!(6), "stats", json!({}), None);
+    let routed = post(
+        &c,
+        &url,
+        &[
+            ("accept", "application/json, text/event-stream"),
+            ("mcp-protocol-version", "2026-07-28"),
+            ("mcp-method", "tools/call"),
+            ("mcp-name", "send_email"),
+        ],
+        &body,
+    )
+    .await;
+    assert_eq!(routed.status, StatusCode::BAD_REQUEST, "{routed:?}");
     assert_eq!(executions(&c, &w, "send_email").await, 1);
 
     // unlisted: reject.

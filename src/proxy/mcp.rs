@@ -73,8 +73,24 @@ pub async fn handle(
         let req = Request::from_parts(parts, RequestBody::read(body));
         passthrough::forward(rt, client, &target, req, &peer, false)
     };
+    let routing = |name: &str| {
+        parts
+            .headers
+            .get(name)
+            .map(|v| String::from_utf8_lossy(v.as_bytes()).trim().to_string())
+    };
+    let (said_method, said_name) = (routing("mcp-method"), routing("mcp-name"));
     let tool = match policy::parse(&body) {
+        // The 2026-07-28 routing headers must say what the body says: a server that
+        // routes on them could otherwise run a call the proxy classified as another.
+        Message::Other if said_method.as_deref() == Some("tools/call") => return unreadable(),
         Message::Other => return forward(parts, body).await,
+        Message::ToolCall(call)
+            if said_method.as_deref().is_some_and(|m| m != "tools/call")
+                || said_name.as_deref().is_some_and(|n| n != call.name) =>
+        {
+            return unreadable()
+        }
         Message::Batch(names) => {
             if policy::batch_has_side_effect(mcp, &names) {
                 return batch_refused();
@@ -921,7 +937,7 @@ fn unreadable() -> Response<ProxyBody> {
         "type": "urn:idemproxy:problem:body-ambiguous",
         "title": "Unreadable JSON-RPC message",
         "status": 400,
-        "detail": "the body is not one JSON-RPC message the proxy can read unambiguously (not JSON, or a member name repeated in the message or its params); nothing was sent",
+        "detail": "the body is not one JSON-RPC message the proxy can read unambiguously (not JSON, a member name repeated in the message or its params, or Mcp-Method / Mcp-Name headers that name another call); nothing was sent",
     });
     let message = policy::error_response(
         b"null",
