@@ -176,6 +176,11 @@ pub struct IdentityConfig {
     /// The header naming the parent operation (cancellation). Defaults to the first
     /// `derive_from` header.
     pub operation_from: Option<HeaderName>,
+    /// MCP: `params._meta` fields whose values, joined with the tool name and version,
+    /// make a derived key (used when no key header and no `derive_from` headers are sent).
+    pub derive_from_meta: Vec<String>,
+    /// MCP: one `params._meta` field holding a whole key.
+    pub key_meta: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -236,6 +241,53 @@ pub struct Upstream {
     /// Used for requests under the mount that match no route (`unmatched: by_method`).
     pub fallback_side_effect: Route,
     pub fallback_read_only: Route,
+    /// `protocol: mcp`: the upstream is an MCP server (SPEC section 11); its `tools/call`
+    /// requests are classified per tool, everything else passes through.
+    pub mcp: Option<McpConfig>,
+}
+
+/// An MCP upstream's tool policy (`mcp:` in the YAML).
+#[derive(Debug)]
+pub struct McpConfig {
+    pub unlisted: Unlisted,
+    /// The listed tools, each a route named after the tool (the `route` of its records
+    /// and metrics), in name order.
+    pub tools: Vec<Route>,
+    /// What an unlisted side-effecting tool runs under (its name is set per call).
+    pub unlisted_route: Route,
+    /// `reconcile.tool` lookups, by the name of the tool they reconcile.
+    pub lookups: Vec<(String, ToolLookup)>,
+    /// `unlisted: by_annotations`: the server's `readOnlyHint` per tool, as last fetched
+    /// (`proxy::mcp`); a reload starts afresh.
+    pub hints: parking_lot::Mutex<ToolHints>,
+}
+
+/// The server's `tools/list` annotations: tool name → `readOnlyHint: true`.
+#[derive(Debug, Default)]
+pub struct ToolHints {
+    pub read_only: std::collections::HashMap<String, bool>,
+    pub fetched_at: Option<std::time::Instant>,
+}
+
+/// `reconcile: { tool, arguments, found, not_found, settle }` of an MCP tool: a read-only
+/// `tools/call` on the same server; the matchers' pointers are relative to its `result`.
+#[derive(Debug, Clone)]
+pub struct ToolLookup {
+    pub tool: String,
+    /// JSON whose strings may hold `{execution_id}` and `{key}`.
+    pub arguments: serde_json::Value,
+    pub found: Matcher,
+    pub not_found: Matcher,
+    pub settle: Duration,
+}
+
+/// What happens to a `tools/call` of a tool the YAML does not list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unlisted {
+    SideEffect,
+    /// The server's `tools/list` annotations: `readOnlyHint: true` → read-only.
+    ByAnnotations,
+    Reject,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -456,6 +508,10 @@ impl Config {
             "METHOD", "PATH", "CLASS", "UPSTREAM/ROUTE", "KEY"
         );
         for up in &self.upstreams {
+            if let Some(mcp) = &up.mcp {
+                describe_mcp(&mut out, up, mcp);
+                continue;
+            }
             for r in &up.routes {
                 let method = r.method.as_ref().map(|m| m.as_str()).unwrap_or("*");
                 let path = format!("{}{}", up.mount, r.path);
@@ -479,26 +535,7 @@ impl Config {
                 }
                 if r.class != Class::ReadOnly {
                     details.push(format!("tool={}:{}", r.name, r.tool_version));
-                    details.push(match &r.downstream_key {
-                        Some(k) => format!(
-                            "downstream_key={}{}",
-                            k.header,
-                            if k.replays { "(replays)" } else { "" }
-                        ),
-                        None => "downstream_key=none".into(),
-                    });
-                    details.push(format!("on_5xx={}", r.on_5xx.as_str()));
-                    details.push(format!("concurrent={}", r.concurrent.as_str()));
-                    if r.reconcile.is_some() {
-                        details.push("reconcile".into());
-                    }
-                    if r.approval.as_ref().is_some_and(|a| a.required) {
-                        details.push("approval".into());
-                    }
-                    details.push(format!(
-                        "retention={}",
-                        humantime::format_duration(r.retention)
-                    ));
+                    side_effect_details(&mut details, r);
                 } else if r.retry.attempts > 1 {
                     details.push(format!(
                         "retry={}x{}ms",
@@ -534,6 +571,85 @@ impl Config {
         }
         out
     }
+}
+
+/// The details column of a side-effecting route or MCP tool.
+fn side_effect_details(details: &mut Vec<String>, r: &Route) {
+    details.push(match &r.downstream_key {
+        Some(k) => format!(
+            "downstream_key={}{}",
+            k.header,
+            if k.replays { "(replays)" } else { "" }
+        ),
+        None => "downstream_key=none".into(),
+    });
+    details.push(format!("on_5xx={}", r.on_5xx.as_str()));
+    details.push(format!("concurrent={}", r.concurrent.as_str()));
+    if r.reconcile.is_some() {
+        details.push("reconcile".into());
+    }
+    if r.approval.as_ref().is_some_and(|a| a.required) {
+        details.push("approval".into());
+    }
+    details.push(format!(
+        "retention={}",
+        humantime::format_duration(r.retention)
+    ));
+}
+
+/// The tool table of a `protocol: mcp` upstream, as `idemproxy check` prints it.
+fn describe_mcp(out: &mut String, up: &Upstream, mcp: &McpConfig) {
+    use std::fmt::Write as _;
+    let mount = if up.mount.is_empty() { "/" } else { &up.mount };
+    let _ = writeln!(
+        out,
+        "MCP {} at {} -> {}://{}{}",
+        up.name, mount, up.scheme, up.authority, up.base_path
+    );
+    let _ = writeln!(
+        out,
+        "  {:<24} {:<12} {:<8} {:<5} details",
+        "TOOL", "CLASS", "VERSION", "KEY"
+    );
+    for r in &mcp.tools {
+        let (class, key) = match (r.class, r.key_required) {
+            (Class::ReadOnly, _) => ("read_only", "-"),
+            (_, true) => ("side_effect", "req"),
+            (_, false) => ("side_effect", "opt"),
+        };
+        let mut details = Vec::new();
+        if r.class == Class::SideEffect {
+            side_effect_details(&mut details, r);
+        }
+        if let Some((_, l)) = mcp.lookups.iter().find(|(n, _)| *n == r.name) {
+            details.push(format!("reconcile=tool:{}", l.tool));
+        }
+        let _ = writeln!(
+            out,
+            "  {:<24} {:<12} {:<8} {:<5} {}",
+            r.name,
+            class,
+            r.tool_version,
+            key,
+            details.join(" ")
+        );
+    }
+    let _ = writeln!(
+        out,
+        "  {:<24} {}",
+        "(unlisted)",
+        match mcp.unlisted {
+            Unlisted::SideEffect => "side_effect (v1, key required)",
+            Unlisted::ByAnnotations => {
+                "by_annotations (readOnlyHint: true -> read_only, else side_effect v1)"
+            }
+            Unlisted::Reject => "reject",
+        }
+    );
+    let _ = writeln!(
+        out,
+        "  everything but tools/call (initialize, tools/list, notifications, GET streams) passes through"
+    );
 }
 
 #[cfg(test)]

@@ -83,6 +83,10 @@ pub struct RawIdentity {
     pub derive_from: Option<Vec<String>>,
     pub tenant_from: Option<Vec<String>>,
     pub operation_from: Option<String>,
+    /// MCP: `params._meta` fields joined into a derived key (SPEC section 11).
+    pub derive_from_meta: Option<Vec<String>>,
+    /// MCP: one `params._meta` field holding a whole key.
+    pub key_meta: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -106,6 +110,18 @@ pub struct RawUpstream {
     pub tls: Option<RawTls>,
     #[serde(default)]
     pub routes: Vec<RawRoute>,
+    /// `http` (default) or `mcp` (SPEC section 11).
+    pub protocol: Option<String>,
+    pub mcp: Option<RawMcp>,
+}
+
+/// `mcp: { unlisted, tools: { NAME: { class, tool_version, ... } } }`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawMcp {
+    pub unlisted: Option<String>,
+    #[serde(default)]
+    pub tools: BTreeMap<String, RawRoute>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -236,6 +252,9 @@ pub struct RawReconcile {
     pub not_found: Option<RawMatcher>,
     pub external_id: Option<String>,
     pub settle: Option<String>,
+    /// MCP tools: the read-only tool to call, and its arguments (`{execution_id}`, `{key}`).
+    pub tool: Option<String>,
+    pub arguments: Option<serde_json::Value>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -658,11 +658,25 @@ impl Validator {
             Some(h) => self.header("identity.operation_from", &h),
             None => derive_from.first().cloned(),
         };
+        let derive_from_meta = i.derive_from_meta.unwrap_or_default();
+        for (n, f) in derive_from_meta.iter().enumerate() {
+            if f.is_empty() {
+                self.err(
+                    format!("identity.derive_from_meta[{n}]"),
+                    "empty `_meta` field name",
+                );
+            }
+        }
+        if i.key_meta.as_deref() == Some("") {
+            self.err("identity.key_meta", "empty `_meta` field name");
+        }
         IdentityConfig {
             key_header,
             derive_from,
             tenant_from,
             operation_from,
+            derive_from_meta,
+            key_meta: i.key_meta,
         }
     }
 
@@ -763,6 +777,40 @@ impl Validator {
             webhook: None,
             job: None,
         };
+        let mcp = match u.protocol.as_deref() {
+            None | Some("http") => {
+                if u.mcp.is_some() {
+                    self.err(
+                        format!("{path}.mcp"),
+                        "only meaningful with `protocol: mcp`",
+                    );
+                }
+                None
+            }
+            Some("mcp") => {
+                if !routes.is_empty() {
+                    self.err(
+                        format!("{path}.routes"),
+                        "an MCP upstream has no HTTP routes; classify its tools under `mcp.tools`",
+                    );
+                }
+                let unlisted_route = Route {
+                    name: "unlisted".into(),
+                    tool_version: "v1".into(),
+                    key_required: true,
+                    external_id: None,
+                    ..fallback(Class::SideEffect, "unlisted")
+                };
+                Some(self.mcp(path, u.mcp, store, timeout, unlisted_route))
+            }
+            Some(other) => {
+                self.err(
+                    format!("{path}.protocol"),
+                    format!("expected one of http | mcp, found `{other}`"),
+                );
+                None
+            }
+        };
         let ca_file = u.tls.and_then(|t| t.ca_file).map(|f| {
             let p = PathBuf::from(f);
             if p.is_relative() {
@@ -798,7 +846,187 @@ impl Validator {
             base_path,
             mount,
             routes,
+            mcp,
         })
+    }
+
+    /// `mcp:` of a `protocol: mcp` upstream: each tool entry is validated as a route (the
+    /// same keys, no `match`: a tool is found by its name).
+    fn mcp(
+        &mut self,
+        path: &str,
+        m: Option<RawMcp>,
+        store: &StoreConfig,
+        timeout: Duration,
+        unlisted_route: Route,
+    ) -> McpConfig {
+        let m = m.unwrap_or(RawMcp {
+            unlisted: None,
+            tools: Default::default(),
+        });
+        let unlisted = match m.unlisted.as_deref() {
+            None | Some("side_effect") => Unlisted::SideEffect,
+            Some("reject") => Unlisted::Reject,
+            Some("by_annotations") => Unlisted::ByAnnotations,
+            Some(other) => {
+                self.err(
+                    format!("{path}.mcp.unlisted"),
+                    format!(
+                        "expected one of side_effect | by_annotations | reject, found `{other}`"
+                    ),
+                );
+                Unlisted::SideEffect
+            }
+        };
+        let mut tools = Vec::new();
+        let mut lookups = Vec::new();
+        for (name, mut t) in m.tools {
+            let tp = format!("{path}.mcp.tools.{name}");
+            if name.is_empty() {
+                self.err(&tp, "empty tool name");
+                continue;
+            }
+            let mut ok = true;
+            for (key, set) in [
+                ("match", t.matcher.is_some()),
+                ("name", t.name.is_some()),
+                ("retry", t.retry.is_some()),
+                ("external_id", t.external_id.is_some()),
+            ] {
+                if set {
+                    self.err(
+                        format!("{tp}.{key}"),
+                        "not used on an MCP tool (the tool is found by its name)",
+                    );
+                    ok = false;
+                }
+            }
+            if !ok {
+                continue;
+            }
+            let timeout = self.duration(&format!("{tp}.timeout"), t.timeout.as_deref(), timeout);
+            if let Some(rc) = t.reconcile.take() {
+                if let Some(l) = self.tool_lookup(&format!("{tp}.reconcile"), rc, timeout) {
+                    lookups.push((name.clone(), l));
+                }
+            }
+            t.name = Some(name);
+            t.matcher = Some(RawMatch {
+                method: Some("POST".into()),
+                path: Some("/".into()),
+            });
+            t.external_id = Some("none".into());
+            if t.class.is_none() {
+                t.class = Some("side_effect".into());
+            }
+            if let Some(mut route) = self.route(&tp, t, store, timeout) {
+                route.method = None;
+                route.path = String::new();
+                tools.push(route);
+            }
+        }
+        McpConfig {
+            unlisted,
+            tools,
+            unlisted_route,
+            lookups,
+            hints: Default::default(),
+        }
+    }
+
+    /// `reconcile` of an MCP tool: `{ tool, arguments, found, not_found, settle }`.
+    fn tool_lookup(
+        &mut self,
+        path: &str,
+        rc: RawReconcile,
+        timeout: Duration,
+    ) -> Option<ToolLookup> {
+        for (key, set) in [
+            ("method", rc.method.is_some()),
+            ("path", rc.path.is_some()),
+            ("headers", !rc.headers.is_empty()),
+            ("external_id", rc.external_id.is_some()),
+        ] {
+            if set {
+                self.err(
+                    format!("{path}.{key}"),
+                    "not used by an MCP tool lookup (it calls `tool`)",
+                );
+            }
+        }
+        let tool = match rc.tool {
+            Some(t) if is_name(&t) => t,
+            Some(t) => {
+                self.err(
+                    format!("{path}.tool"),
+                    format!("expected a tool name, found `{t}`"),
+                );
+                return None;
+            }
+            None => {
+                self.err(
+                    format!("{path}.tool"),
+                    "missing (the read-only tool to call, e.g. find_email)",
+                );
+                return None;
+            }
+        };
+        let arguments = rc.arguments.unwrap_or_else(|| serde_json::json!({}));
+        if !arguments.is_object() {
+            self.err(
+                format!("{path}.arguments"),
+                "expected a map of the tool's arguments",
+            );
+        }
+        let found = self.matcher(path, "found", rc.found);
+        let not_found = self.matcher(path, "not_found", rc.not_found);
+        let settle = self.duration(
+            &format!("{path}.settle"),
+            rc.settle.as_deref(),
+            timeout.saturating_mul(2),
+        );
+        Some(ToolLookup {
+            tool,
+            arguments,
+            found,
+            not_found,
+            settle,
+        })
+    }
+
+    fn matcher(&mut self, path: &str, which: &str, m: Option<RawMatcher>) -> Matcher {
+        let Some(m) = m else {
+            self.err(
+                format!("{path}.{which}"),
+                "missing (e.g. { json_nonempty: /structuredContent/items })",
+            );
+            return Matcher::default();
+        };
+        for (k, p) in [
+            ("json_nonempty", &m.json_nonempty),
+            ("json_empty", &m.json_empty),
+        ] {
+            if let Some(p) = p {
+                self.pointer(&format!("{path}.{which}.{k}"), p);
+            }
+        }
+        if m.status.is_some() {
+            self.err(
+                format!("{path}.{which}.status"),
+                "a tool lookup is judged on its result: use json_nonempty / json_empty",
+            );
+        }
+        if m.json_nonempty.is_none() && m.json_empty.is_none() {
+            self.err(
+                format!("{path}.{which}"),
+                "needs json_nonempty or json_empty",
+            );
+        }
+        Matcher {
+            status: None,
+            json_nonempty: m.json_nonempty,
+            json_empty: m.json_empty,
+        }
     }
 
     fn route(
@@ -1266,6 +1494,12 @@ impl Validator {
         route_path: &str,
         route_timeout: Duration,
     ) -> Option<ReconcileSpec> {
+        if rc.tool.is_some() || rc.arguments.is_some() {
+            self.err(
+                format!("{path}.tool"),
+                "`tool` and `arguments` are for MCP tools (upstreams with `protocol: mcp`)",
+            );
+        }
         let method = match rc.method.as_deref().unwrap_or("GET") {
             m @ ("GET" | "POST" | "HEAD") => {
                 Method::from_bytes(m.as_bytes()).expect("literal methods")

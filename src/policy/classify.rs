@@ -239,7 +239,8 @@ impl RouteTable {
                 params,
             });
         }
-        if unmatched == Unmatched::Reject {
+        // An MCP upstream has no HTTP routes: its requests are judged by `proxy::mcp`.
+        if unmatched == Unmatched::Reject && upstream.mcp.is_none() {
             return Classified::Unmatched { upstream };
         }
         let read_only = matches!(

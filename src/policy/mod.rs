@@ -6,6 +6,7 @@ pub mod classify;
 pub mod fingerprint;
 pub mod identity;
 pub mod job;
+pub mod mcp;
 pub mod path;
 pub mod reconcile;
 pub mod state;

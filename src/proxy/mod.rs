@@ -3,6 +3,7 @@
 //! of a running proxy; the phases live in [`side_effect`] and [`passthrough`].
 
 mod downstream;
+pub mod mcp;
 pub mod passthrough;
 mod pending;
 pub mod reconcile;
@@ -198,6 +199,10 @@ impl Proxy {
         looked: Option<side_effect::Looked>,
         peer: ClientAddr,
     ) -> Response<ProxyBody> {
+        if target.upstream.mcp.is_some() {
+            // Boxed: the MCP lifecycle's future stays out of every HTTP request's.
+            return Box::pin(mcp::handle(self, rt, target, req, peer)).await;
+        }
         let client = &rt.clients[target.upstream_index];
         match target.route.class {
             Class::ReadOnly => passthrough::forward(rt, client, &target, req, &peer, true).await,
@@ -389,7 +394,8 @@ impl crate::wire::fast::Handler for Arc<Worker> {
                 }
             };
         let mut looked = None;
-        if req.cut.is_none() {
+        // An MCP upstream's requests all go the usual way, to `mcp::handle`.
+        if req.cut.is_none() && target.upstream.mcp.is_none() {
             if passthrough::takes_raw(&target) {
                 return Either::Left(Box::pin(passthrough::forward_raw(
                     rt.clone(),

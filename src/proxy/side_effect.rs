@@ -360,7 +360,108 @@ pub async fn run(
         raw,
         tenant,
         peer,
+        proto: None,
     };
+    run_queued(call, queue).await
+}
+
+/// How a sibling lifecycle (MCP `tools/call`, `proxy::mcp`) shapes the edges of this
+/// execution core: how a downstream answer is judged and stored, and how a stored answer
+/// is rendered for its client. Claim, send, record, reconcile and every decision stay
+/// here; an HTTP call has no protocol (`None`, the default path, no dynamic call).
+pub(super) trait Protocol: Send + Sync {
+    /// What a downstream answer is.
+    fn judge(&self, parts: &http::response::Parts, body: &Bytes) -> Judged;
+    /// The client's answer for a stored response (the first answer, or a replay).
+    fn render(
+        &self,
+        stored: &StoredResponse,
+        id: &ExecutionId,
+        replayed: bool,
+    ) -> Response<ProxyBody>;
+    /// The JSON the approval `preview` pointers point into.
+    fn preview_source(&self) -> &[u8];
+    /// Each piece of a downstream answer as it is read, before the whole answer is judged
+    /// (an MCP SSE stream's progress events reach the client while the call runs).
+    fn tap(&self, _head: &http::response::Parts, _data: &Bytes) {}
+    /// Whether [`Protocol::lookup`] can reconcile an `outcome_unknown` record.
+    fn has_lookup(&self) -> bool {
+        false
+    }
+    /// Ask the downstream whether `record`'s effect happened (SPEC section 7), with the
+    /// settle window that applies to a "not found".
+    fn lookup<'a>(
+        &'a self,
+        _client: &'a HttpClient,
+        _record: &'a Record,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = (Verdict, Duration)> + Send + 'a>> {
+        Box::pin(std::future::ready((
+            Verdict::Unknown("no lookup".into()),
+            Duration::ZERO,
+        )))
+    }
+    /// The parent operation when the request's headers name none (for cancellation).
+    fn operation_id(&self) -> Option<String> {
+        None
+    }
+}
+
+/// A downstream answer as a [`Protocol`] judges it.
+pub(super) enum Judged {
+    /// An answer to store: committed, or judged by `on_5xx` when `server_error`.
+    Answer {
+        stored: StoredResponse,
+        server_error: bool,
+    },
+    /// The downstream refused the request before running it (kept for the client).
+    Refused(StoredResponse, String),
+    /// The answer to the call never came (a stream that ended without it).
+    Lost(String),
+}
+
+/// A call a sibling lifecycle admitted itself: its identity and `args_hash` derived by
+/// its own policy, `body` exactly what goes downstream.
+pub(super) struct Sibling<'a> {
+    pub parts: Parts,
+    pub body: Bytes,
+    pub id: ExecutionId,
+    pub tenant: TenantScope,
+    pub args: ArgsHash,
+    pub proto: &'a dyn Protocol,
+}
+
+/// Run a sibling lifecycle's call through this core (see [`Protocol`]).
+pub(super) async fn run_sibling(
+    proxy: &Arc<Proxy>,
+    rt: &Runtime,
+    client: &HttpClient,
+    target: &Target<'_>,
+    call: Sibling<'_>,
+    peer: &ClientAddr,
+    queue: Option<Arc<tokio::sync::Semaphore>>,
+) -> Response<ProxyBody> {
+    let call = Call {
+        proxy,
+        rt,
+        client,
+        target,
+        parts: call.parts,
+        body: call.body,
+        id: call.id,
+        args: call.args,
+        // Never looked up: a sibling's answers are not kept in the replay cache.
+        raw: RawDigest([0; 32]),
+        tenant: call.tenant,
+        peer,
+        proto: Some(call.proto),
+    };
+    run_queued(call, queue).await
+}
+
+async fn run_queued(
+    call: Call<'_>,
+    queue: Option<Arc<tokio::sync::Semaphore>>,
+) -> Response<ProxyBody> {
     // The route's turns are all taken: a stored result is answered without one (a replay
     // never waits behind executions); anything else waits for its turn.
     let _turn = match queue {
@@ -424,6 +525,8 @@ struct Call<'a> {
     raw: RawDigest,
     tenant: TenantScope,
     peer: &'a ClientAddr,
+    /// A sibling lifecycle's edges; `None` for HTTP.
+    proto: Option<&'a dyn Protocol>,
 }
 
 /// What to do with an existing record.
@@ -546,7 +649,8 @@ impl Call<'_> {
             upstream: self.target.upstream.name.clone(),
             route: route.name.clone(),
             tool_version: route.tool_version.clone(),
-            operation_id: identity::operation_id(&self.parts.headers, &self.rt.config.identity),
+            operation_id: identity::operation_id(&self.parts.headers, &self.rt.config.identity)
+                .or_else(|| self.proto.and_then(|p| p.operation_id())),
             args_hash: self.args.clone(),
             method: self.parts.method.to_string(),
             path: self.target.rel_path.clone(),
@@ -555,7 +659,7 @@ impl Call<'_> {
             preview: route
                 .approval
                 .as_ref()
-                .map(|a| preview(&self.body, &a.preview)),
+                .map(|a| preview(self.preview_source(), &a.preview)),
             now_ms: now,
             expires_at_ms: now.saturating_add(route.retention.as_millis() as i64),
         });
@@ -584,6 +688,18 @@ impl Call<'_> {
             .is_some_and(|k| k.replays)
         {
             r.sent_body = Some(self.body.to_vec());
+        }
+    }
+
+    fn preview_source(&self) -> &[u8] {
+        self.proto.map_or(&self.body[..], |p| p.preview_source())
+    }
+
+    /// The client's answer for a stored response.
+    fn stored_response(&self, stored: &StoredResponse, replayed: bool) -> Response<ProxyBody> {
+        match self.proto {
+            None => stored_response(stored, &self.id),
+            Some(p) => p.render(stored, &self.id, replayed),
         }
     }
 
@@ -817,24 +933,35 @@ impl Call<'_> {
                     Err(e) => Step::Respond(self.store_failed(e)),
                 }
             }
-            Plan::Lookup(spec) => {
-                let limit = self.rt.config.limits.max_response_bytes;
-                let headers = downstream::request_headers(
-                    &self.parts.headers,
-                    self.target.upstream,
-                    self.peer,
-                    &[&self.rt.config.identity.key_header],
-                );
-                let verdict = lookup::lookup(
-                    self.client,
-                    self.target.upstream,
-                    route,
-                    spec,
-                    &record,
-                    Some(headers),
-                    limit,
-                )
-                .await;
+            // A sibling protocol's own lookup (an MCP `reconcile.tool`) when the route has none.
+            plan @ (Plan::Lookup(_) | Plan::Operator)
+                if matches!(plan, Plan::Lookup(_))
+                    || self.proto.is_some_and(|p| p.has_lookup()) =>
+            {
+                let (verdict, settle) = match (plan, self.proto) {
+                    (Plan::Lookup(spec), _) => {
+                        let limit = self.rt.config.limits.max_response_bytes;
+                        let headers = downstream::request_headers(
+                            &self.parts.headers,
+                            self.target.upstream,
+                            self.peer,
+                            &[&self.rt.config.identity.key_header],
+                        );
+                        let verdict = lookup::lookup(
+                            self.client,
+                            self.target.upstream,
+                            route,
+                            spec,
+                            &record,
+                            Some(headers),
+                            limit,
+                        )
+                        .await;
+                        (verdict, spec.settle)
+                    }
+                    (_, Some(p)) => p.lookup(self.client, &record).await,
+                    (_, None) => unreachable!("guarded above"),
+                };
                 let result = verdict.name();
                 match verdict {
                     found @ Verdict::Found { .. } => {
@@ -858,7 +985,7 @@ impl Call<'_> {
                             Err(e) => Step::Respond(self.store_failed(e)),
                         }
                     }
-                    Verdict::NotFound => match reconcile::settled(&record, spec.settle, now_ms()) {
+                    Verdict::NotFound => match reconcile::settled(&record, settle, now_ms()) {
                         Ok(()) => {
                             let mut r = record;
                             let note = "reconciled: the lookup did not find the effect; it may execute under the same key";
@@ -884,7 +1011,7 @@ impl Call<'_> {
                                 .reconciled(upstream_name, route_name, "unknown");
                             self.count_prevented();
                             Step::Respond(self.unknown_retry(
-                                format!("the lookup did not find the effect, but the last attempt may still be in progress downstream (settle window {:?}); it is not re-sent yet", spec.settle),
+                                format!("the lookup did not find the effect, but the last attempt may still be in progress downstream (settle window {:?}); it is not re-sent yet", settle),
                                 Some(left),
                             ))
                         }
@@ -900,7 +1027,7 @@ impl Call<'_> {
                     }
                 }
             }
-            Plan::Operator => {
+            Plan::Lookup(_) | Plan::Operator => {
                 self.count_prevented();
                 Step::Respond(self.unknown_retry(
                     "an earlier attempt may or may not have taken effect, and this route has no way to find out (no replaying downstream key, no reconcile lookup); it stays unknown until an operator resolves it".into(),
@@ -991,16 +1118,19 @@ impl Call<'_> {
                 .map_err(|e| (client::classify(&e), client::describe(&e)))?;
             let (rparts, rbody) = resp.into_parts();
             let limit = self.rt.config.limits.max_response_bytes;
-            let bytes = Limited::new(rbody, limit)
-                .collect()
-                .await
-                .map_err(|e: BoxError| {
-                    (
-                        SendFailure::AfterSend,
-                        format!("reading the response failed: {e}"),
-                    )
-                })?
-                .to_bytes();
+            let read = match self.proto {
+                None => Limited::new(rbody, limit)
+                    .collect()
+                    .await
+                    .map(|c| c.to_bytes()),
+                Some(p) => tapped(&rparts, rbody, limit, p).await,
+            };
+            let bytes = read.map_err(|e: BoxError| {
+                (
+                    SendFailure::AfterSend,
+                    format!("reading the response failed: {e}"),
+                )
+            })?;
             Ok::<_, (SendFailure, String)>((rparts, bytes))
         });
         let outcome = match sent {
@@ -1088,17 +1218,33 @@ impl Call<'_> {
                     // original request with this key is still being processed.
                     return self.finish_still_in_flight(record).await;
                 }
-                let mut rheaders = rparts.headers;
-                downstream::stored_headers(&mut rheaders);
-                let stored = StoredResponse {
-                    status: rparts.status.as_u16(),
-                    headers: rheaders
-                        .iter()
-                        .map(|(n, v)| (n.as_str().to_string(), v.as_bytes().to_vec()))
-                        .collect(),
-                    body: bytes.to_vec(),
+                let (stored, server_error) = match self.proto {
+                    None => {
+                        let server_error = rparts.status.is_server_error();
+                        let mut rheaders = rparts.headers;
+                        downstream::stored_headers(&mut rheaders);
+                        let stored = StoredResponse {
+                            status: rparts.status.as_u16(),
+                            headers: rheaders
+                                .iter()
+                                .map(|(n, v)| (n.as_str().to_string(), v.as_bytes().to_vec()))
+                                .collect(),
+                            body: bytes.to_vec(),
+                        };
+                        (stored, server_error)
+                    }
+                    Some(p) => match p.judge(&rparts, &bytes) {
+                        Judged::Answer {
+                            stored,
+                            server_error,
+                        } => (stored, server_error),
+                        Judged::Refused(stored, why) => {
+                            return self.finish_failed(record, why, Some(stored)).await
+                        }
+                        Judged::Lost(why) => return self.finish_unknown(record, why, false).await,
+                    },
                 };
-                if rparts.status.is_server_error() {
+                if server_error {
                     match route.on_5xx {
                         On5xx::Committed => self.finish_committed(record, stored).await,
                         On5xx::FailedBeforeCommit => {
@@ -1234,7 +1380,7 @@ impl Call<'_> {
             .await;
         match downstream {
             Some(stored) => {
-                let mut resp = stored_response(&stored, &self.id);
+                let mut resp = self.stored_response(&stored, false);
                 resp.headers_mut()
                     .insert(STATUS, HeaderValue::from_static("failed_before_commit"));
                 resp
@@ -1270,7 +1416,7 @@ impl Call<'_> {
     ) -> Response<ProxyBody> {
         tracing::warn!(execution_id = %self.id, reason = %why, "outcome unknown");
         self.record_outcome(record, Event::LoseOutcome, &why).await;
-        let mut resp = stored_response(&stored, &self.id);
+        let mut resp = self.stored_response(&stored, false);
         resp.headers_mut()
             .insert(STATUS, HeaderValue::from_static("outcome_unknown"));
         resp
@@ -1311,7 +1457,7 @@ impl Call<'_> {
                 .execution(&self.id)
                 .into_response();
         };
-        let mut resp = stored_response(stored, &self.id);
+        let mut resp = self.stored_response(stored, replayed);
         if replayed {
             resp.headers_mut()
                 .insert(REPLAYED, HeaderValue::from_static("true"));
@@ -1322,7 +1468,7 @@ impl Call<'_> {
         let store = self.proxy.store.clone();
         // Only a replayed answer is kept in memory (see `proxy::replay`): most first
         // answers are never asked for again.
-        let replays = replayed.then(|| self.rt.shared.replays.clone());
+        let replays = (replayed && self.proto.is_none()).then(|| self.rt.shared.replays.clone());
         let raw = self.raw;
         let record = r.clone();
         resp.map(move |b| {
@@ -1347,9 +1493,33 @@ impl Call<'_> {
     fn replay(&self, r: &Record) -> Response<ProxyBody> {
         tracing::info!(execution_id = %self.id, from = "store", "replayed stored result");
         self.metrics().replays.get_or_create(&self.labels()).inc();
-        self.rt.shared.replays.remember(r, self.raw);
+        if self.proto.is_none() {
+            self.rt.shared.replays.remember(r, self.raw);
+        }
         self.respond(r, true)
     }
+}
+
+/// Read a downstream answer whole (up to `limit`), showing each piece to `proto` first.
+async fn tapped<B>(
+    head: &http::response::Parts,
+    body: B,
+    limit: usize,
+    proto: &dyn Protocol,
+) -> Result<Bytes, BoxError>
+where
+    B: http_body::Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    let mut body = Limited::new(body, limit);
+    let mut all = bytes::BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        if let Ok(data) = frame?.into_data() {
+            proto.tap(head, &data);
+            all.extend_from_slice(&data);
+        }
+    }
+    Ok(all.freeze())
 }
 
 fn stored_response(stored: &StoredResponse, id: &ExecutionId) -> Response<ProxyBody> {
