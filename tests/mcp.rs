@@ -13,57 +13,12 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use common::fake_downstream::FakeDownstream;
-use common::{cli, client, post, send, ProxyProc, Resp, TestClient, ADMIN_TOKEN, ADMIN_TOKEN_ENV};
+use common::{
+    cli, client, post, send, ProxyProc, Resp, Schema, TestClient, ADMIN_TOKEN, ADMIN_TOKEN_ENV,
+    PG_URL_VAR,
+};
 use http::{Method, StatusCode};
 use serde_json::{json, Value};
-
-const PG_URL_VAR: &str = "IDEMPROXY_TEST_POSTGRES_URL";
-
-/// A fresh PostgreSQL schema, dropped when the guard goes away.
-struct Schema {
-    name: String,
-    url: String,
-}
-
-impl Schema {
-    fn new(tag: &str) -> Schema {
-        let url = std::env::var(PG_URL_VAR).unwrap_or_else(|_| {
-            panic!("{PG_URL_VAR} is not set: this test needs a real PostgreSQL server (e.g. postgres://postgres@127.0.0.1:5432/test)")
-        });
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .expect("clock")
-            .as_nanos();
-        Schema {
-            name: format!("it_{tag}_{}_{}", std::process::id(), nanos % 1_000_000_000),
-            url,
-        }
-    }
-}
-
-impl Drop for Schema {
-    fn drop(&mut self) {
-        let (url, name) = (self.url.clone(), self.name.clone());
-        // Its own thread: Drop may run inside the test's runtime.
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            rt.block_on(async move {
-                if let Ok((client, conn)) =
-                    tokio_postgres::connect(&url, tokio_postgres::NoTls).await
-                {
-                    tokio::spawn(conn);
-                    let _ = client
-                        .batch_execute(&format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE"))
-                        .await;
-                }
-            });
-        })
-        .join();
-    }
-}
 
 fn venv_python() -> PathBuf {
     let venv = std::env::var_os("IDEMPROXY_MCP_VENV")

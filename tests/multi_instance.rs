@@ -10,54 +10,6 @@ use common::fake_downstream::FakeDownstream;
 use common::*;
 use http::StatusCode;
 
-const URL_VAR: &str = "IDEMPROXY_TEST_POSTGRES_URL";
-
-/// A fresh schema, dropped when the guard goes away.
-struct Schema {
-    name: String,
-    url: String,
-}
-
-impl Schema {
-    fn new(tag: &str) -> Schema {
-        let url = std::env::var(URL_VAR).unwrap_or_else(|_| {
-            panic!("{URL_VAR} is not set: these tests need a real PostgreSQL server (e.g. postgres://postgres@127.0.0.1:5432/test)")
-        });
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .expect("clock")
-            .as_nanos();
-        Schema {
-            name: format!("it_{tag}_{}_{}", std::process::id(), nanos % 1_000_000_000),
-            url,
-        }
-    }
-}
-
-impl Drop for Schema {
-    fn drop(&mut self) {
-        let (url, name) = (self.url.clone(), self.name.clone());
-        // Runs on its own thread: Drop may happen inside the test's runtime.
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            rt.block_on(async move {
-                if let Ok((client, conn)) =
-                    tokio_postgres::connect(&url, tokio_postgres::NoTls).await
-                {
-                    tokio::spawn(conn);
-                    let _ = client
-                        .batch_execute(&format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE"))
-                        .await;
-                }
-            });
-        })
-        .join();
-    }
-}
-
 fn pg_config(schema: &Schema, downstream: &str, lease: &str) -> String {
     pg_config_with(schema, downstream, lease, true)
 }

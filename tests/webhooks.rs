@@ -439,54 +439,9 @@ async fn an_event_for_a_call_still_executing_is_refused_until_the_call_has_an_ou
     assert_eq!(env.ds.hits_on("/send"), 1);
 }
 
-/// A fresh PostgreSQL schema for the multi-instance test, dropped when the guard goes.
-struct Schema {
-    name: String,
-    url: String,
-}
-
-impl Schema {
-    fn new() -> Schema {
-        let url = std::env::var("IDEMPROXY_TEST_POSTGRES_URL").unwrap_or_else(|_| {
-            panic!("IDEMPROXY_TEST_POSTGRES_URL is not set: this test needs a real PostgreSQL server (e.g. postgres://postgres@127.0.0.1:5432/test)")
-        });
-        let nanos = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .expect("clock")
-            .as_nanos();
-        Schema {
-            name: format!("it_hooks_{}_{}", std::process::id(), nanos % 1_000_000_000),
-            url,
-        }
-    }
-}
-
-impl Drop for Schema {
-    fn drop(&mut self) {
-        let (url, name) = (self.url.clone(), self.name.clone());
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            rt.block_on(async move {
-                if let Ok((client, conn)) =
-                    tokio_postgres::connect(&url, tokio_postgres::NoTls).await
-                {
-                    tokio::spawn(conn);
-                    let _ = client
-                        .batch_execute(&format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE"))
-                        .await;
-                }
-            });
-        })
-        .join();
-    }
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn two_postgres_instances_forward_an_event_once_and_settle_across_instances() {
-    let schema = Schema::new();
+    let schema = Schema::new("hooks");
     let ds = FakeDownstream::start().await;
     let dirs: Vec<_> = (0..2)
         .map(|_| tempfile::tempdir().expect("tempdir"))

@@ -384,3 +384,55 @@ pub fn report_fault(
     let recovered = recovered.map_or("-".to_string(), |d| d.as_millis().to_string());
     eprintln!("FAULT\t{fault}\t{duplicates}\t{lost}\t{recovered}\t{note}");
 }
+
+/// The variable PostgreSQL tests read the server's URL from.
+pub const URL_VAR: &str = "IDEMPROXY_TEST_POSTGRES_URL";
+/// Alias used by some suites.
+pub const PG_URL_VAR: &str = URL_VAR;
+
+/// A fresh PostgreSQL schema for one test, dropped when the guard goes away. Fails loudly
+/// (never skips) when the server's URL is not set.
+pub struct Schema {
+    pub name: String,
+    pub url: String,
+}
+
+impl Schema {
+    pub fn new(tag: &str) -> Schema {
+        let url = std::env::var(URL_VAR).unwrap_or_else(|_| {
+            panic!("{URL_VAR} is not set: these tests need a real PostgreSQL server (e.g. postgres://postgres@127.0.0.1:5432/test)")
+        });
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("clock")
+            .as_nanos();
+        Schema {
+            name: format!("it_{tag}_{}_{}", std::process::id(), nanos % 1_000_000_000),
+            url,
+        }
+    }
+}
+
+impl Drop for Schema {
+    fn drop(&mut self) {
+        let (url, name) = (self.url.clone(), self.name.clone());
+        // Runs on its own thread: Drop may happen inside the test's runtime.
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async move {
+                if let Ok((client, conn)) =
+                    tokio_postgres::connect(&url, tokio_postgres::NoTls).await
+                {
+                    tokio::spawn(conn);
+                    let _ = client
+                        .batch_execute(&format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE"))
+                        .await;
+                }
+            });
+        })
+        .join();
+    }
+}
