@@ -911,38 +911,38 @@ impl Protocol for Rpc {
 
 /// A JSON-RPC batch with a side-effecting `tools/call`: refused whole, nothing sent.
 fn batch_refused() -> Response<ProxyBody> {
-    let problem = serde_json::json!({
-        "type": "urn:idemproxy:problem:batch-refused",
-        "title": "Batch with a side-effecting tool call",
-        "status": 400,
-        "detail": "a JSON-RPC batch containing a side-effecting tools/call cannot be protected; send each call as its own request; nothing was sent",
-    });
-    let message = policy::error_response(
-        b"null",
+    refused(
+        "batch-refused",
         -32600,
         "Batch with a side-effecting tool call",
-        &serde_json::to_vec(&problem).expect("JSON serialises"),
-    );
-    let mut resp = Response::new(body::full(message));
-    *resp.status_mut() = StatusCode::BAD_REQUEST;
-    resp.headers_mut()
-        .insert(http::header::CONTENT_TYPE, HeaderValue::from_static(JSON));
-    resp
+        "a JSON-RPC batch containing a side-effecting tools/call cannot be protected; send each call as its own request; nothing was sent",
+    )
 }
 
 /// A POST body the proxy cannot read for sure (not JSON, a repeated member name): refused,
 /// nothing sent, since the server might read a side-effecting call in it.
 fn unreadable() -> Response<ProxyBody> {
+    refused(
+        "body-ambiguous",
+        -32700,
+        "Unreadable JSON-RPC message",
+        "the body is not one JSON-RPC message the proxy can read unambiguously (not JSON, a member name repeated in the message or its params, or Mcp-Method / Mcp-Name headers that name another call); nothing was sent",
+    )
+}
+
+/// A message refused before anything is sent: HTTP 400 with one JSON-RPC error (`id:
+/// null`, `code`) whose `data` is the RFC 9457 problem `name`.
+fn refused(name: &str, code: i64, title: &str, detail: &str) -> Response<ProxyBody> {
     let problem = serde_json::json!({
-        "type": "urn:idemproxy:problem:body-ambiguous",
-        "title": "Unreadable JSON-RPC message",
+        "type": format!("urn:idemproxy:problem:{name}"),
+        "title": title,
         "status": 400,
-        "detail": "the body is not one JSON-RPC message the proxy can read unambiguously (not JSON, a member name repeated in the message or its params, or Mcp-Method / Mcp-Name headers that name another call); nothing was sent",
+        "detail": detail,
     });
     let message = policy::error_response(
         b"null",
-        -32700,
-        "Unreadable JSON-RPC message",
+        code,
+        title,
         &serde_json::to_vec(&problem).expect("JSON serialises"),
     );
     let mut resp = Response::new(body::full(message));
