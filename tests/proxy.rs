@@ -515,6 +515,43 @@ async fn read_only_routes_pass_through_unrecorded_with_retries() {
     assert!(rec["response"]["body"]["id"].is_string(), "{rec}");
 }
 
+/// The log lines of a call carry its execution id, operation id and tool call id (the
+/// orchestration's ids, never argument values).
+#[tokio::test(flavor = "multi_thread")]
+async fn log_lines_of_a_call_name_its_ids() {
+    let (_dir, _ds, proxy) = setup().await;
+    let c = client();
+    let r = post(
+        &c,
+        &proxy.url("/mail/send"),
+        &[
+            AUTH_A,
+            ("x-operation-id", "op_logs"),
+            ("x-model-round", "round_1"),
+            ("x-tool-call-id", "call_logs"),
+        ],
+        r#"{"to":"secret-recipient@example.com"}"#,
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{r:?}");
+    let id = r
+        .header("idempotency-execution-id")
+        .expect("id")
+        .to_string();
+    proxy.wait_for_log("executing", Duration::from_secs(5));
+    let lines = proxy.stderr_lines();
+    let executing = lines
+        .iter()
+        .find(|l| l.contains("executing") && l.contains(&id))
+        .unwrap_or_else(|| panic!("no executing line:\n{}", lines.join("\n")));
+    assert!(executing.contains("op_logs"), "{executing}");
+    assert!(executing.contains("call_logs"), "{executing}");
+    assert!(
+        !lines.iter().any(|l| l.contains("secret-recipient")),
+        "an argument value reached the log"
+    );
+}
+
 /// `records list` columns line up whatever the lengths of their values.
 #[tokio::test(flavor = "multi_thread")]
 async fn records_list_columns_align() {

@@ -658,6 +658,13 @@ impl Validator {
             Some(h) => self.header("identity.operation_from", &h),
             None => derive_from.first().cloned(),
         };
+        let tool_call_from = match i.tool_call_from {
+            Some(h) => self.header("identity.tool_call_from", &h),
+            None => derive_from
+                .last()
+                .cloned()
+                .filter(|_| derive_from.len() > 1),
+        };
         let derive_from_meta = i.derive_from_meta.unwrap_or_default();
         for (n, f) in derive_from_meta.iter().enumerate() {
             if f.is_empty() {
@@ -675,6 +682,7 @@ impl Validator {
             derive_from,
             tenant_from,
             operation_from,
+            tool_call_from,
             derive_from_meta,
             key_meta: i.key_meta,
         }

@@ -263,19 +263,26 @@ impl Proxy {
         let owned = target.to_owned_ref();
         let proxy = self.clone();
         let rt = rt.clone();
-        let task = tokio::spawn(async move {
-            let _turn = turn;
-            let target = owned.bind(&rt.config.upstreams);
-            match admitted {
-                side_effect::Admit::Protected(call) => {
-                    side_effect::run(&proxy, &rt, &client, &target, call, &peer, queue).await
+        let span = match &admitted {
+            side_effect::Admit::Protected(call) => call.span(&rt.config.identity),
+            _ => tracing::Span::none(),
+        };
+        let task = tokio::spawn(tracing::Instrument::instrument(
+            async move {
+                let _turn = turn;
+                let target = owned.bind(&rt.config.upstreams);
+                match admitted {
+                    side_effect::Admit::Protected(call) => {
+                        side_effect::run(&proxy, &rt, &client, &target, call, &peer, queue).await
+                    }
+                    side_effect::Admit::Unprotected(req) => {
+                        side_effect::unprotected(&proxy, &rt, &client, &target, req, &peer).await
+                    }
+                    side_effect::Admit::Respond(resp) => resp,
                 }
-                side_effect::Admit::Unprotected(req) => {
-                    side_effect::unprotected(&proxy, &rt, &client, &target, req, &peer).await
-                }
-                side_effect::Admit::Respond(resp) => resp,
-            }
-        });
+            },
+            span,
+        ));
         match task.await {
             Ok(resp) => resp,
             Err(e) => {

@@ -56,6 +56,23 @@ pub struct Admitted {
 }
 
 impl Admitted {
+    /// The span every log line of this call is written in: its execution id, and the
+    /// operation and tool call it came from (orchestration ids, never argument values).
+    pub fn span(&self, id_cfg: &crate::config::IdentityConfig) -> tracing::Span {
+        let header = |name: &Option<http::HeaderName>| {
+            name.as_ref()
+                .and_then(|n| self.parts.headers.get(n))
+                .and_then(|v| v.to_str().ok())
+                .map(|v| v.trim().to_string())
+        };
+        tracing::info_span!(
+            "call",
+            execution_id = %self.id,
+            operation_id = header(&id_cfg.operation_from).as_deref(),
+            tool_call_id = header(&id_cfg.tool_call_from).as_deref(),
+        )
+    }
+
     /// A request whose identity a sibling lifecycle resolved its own way (a webhook
     /// delivery: the event id, scoped to the route), to run under [`run`] like any call.
     pub(super) fn new(
