@@ -22,6 +22,8 @@ http {
     listen 127.0.0.1:$UP_PORT backlog=4096;
     location = /weather { return 200 '{"city":"paris","temp_c":21,"conditions":"clear"}'; }
     location = /send { return 201 '{"id":"msg_1","status":"queued"}'; }
+    # An MCP server's answer to tools/call (the benches' MCP replay row replays it).
+    location = /mcp { return 200 '{"jsonrpc":"2.0","id":1,"result":{"content":[{"type":"text","text":"queued msg_1"}],"isError":false}}'; }
     location / { return 200 '{"ok":true}'; }
   }
 }
@@ -30,7 +32,8 @@ EOF
 
 # write_config NAME [retention] [gc_interval] [replay_cache_bytes]: writes
 # $WORK/NAME/idemproxy.yaml and prints its path. /api/weather (GET) and /api/echo (POST)
-# are read-only pass-through; /api/send is a side effect, keyed by Idempotency-Key.
+# are read-only pass-through; /api/send is a side effect, keyed by Idempotency-Key;
+# /tools/mcp is an MCP server whose `send_email` tool is a side effect.
 # LISTEN sets the listen address (default 127.0.0.1:0: the proxy prints the port).
 write_config() {
   local name=$1 retention=${2:-24h} gc=${3:-60s} cache=${4:-}
@@ -51,6 +54,11 @@ upstreams:
       - { name: weather, match: { method: GET, path: /weather }, class: read_only }
       - { name: echo, match: { method: POST, path: /echo }, class: read_only }
       - { name: send, match: { method: POST, path: /send }, tool_version: v1, retention: $retention }
+  - name: tools
+    url: http://127.0.0.1:$UP_PORT
+    mount: /tools
+    protocol: mcp
+    mcp: { tools: { send_email: { class: side_effect, tool_version: v1, retention: $retention } } }
 EOF
   echo "$d/idemproxy.yaml"
 }

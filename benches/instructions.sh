@@ -9,6 +9,9 @@
 #                                      # some rows; keep callgrind's files for callgrind_annotate
 #   REPLAY_CACHE=0 ROWS=idemproxy-replay benches/instructions.sh
 #                                      # replays from the store (limits.replay_cache_bytes: 0)
+#   ROWS=idemproxy-mcp-replay benches/instructions.sh
+#                                      # MCP tools/call replays (from the store, a new JSON-RPC
+#                                      # id each), to compare with REPLAY_CACHE=0's HTTP replay
 #
 # Each row starts its server under `valgrind --tool=callgrind --instr-atstart=no` with one
 # worker thread, warms it up (connections, pools, and for replays: every key executed,
@@ -64,6 +67,14 @@ buf = b""
 for i in range(n):
     if mode == "get":
         req = f"GET /api/weather?city=paris HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n"
+    elif mode == "mcp-replay":
+        # A tools/call with the same arguments as the HTTP replay's body, a new JSON-RPC id
+        # on every request (as MCP clients retry), keyed by Idempotency-Key.
+        rpc = ('{"jsonrpc":"2.0","id":' + str(i + 1) + ',"method":"tools/call","params":'
+               '{"name":"send_email","arguments":' + body + '}}')
+        req = (f"POST /tools/mcp HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+               f"Accept: application/json, text/event-stream\r\nMCP-Protocol-Version: 2025-06-18\r\n"
+               f"Idempotency-Key: m-{random.randint(1, 100)}\r\nContent-Length: {len(rpc)}\r\n\r\n{rpc}")
     else:
         path, key = ("/api/send", f"Idempotency-Key: r-{random.randint(1, 100)}\r\n") if mode == "replay" else ("/api/echo", "")
         req = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
@@ -140,6 +151,7 @@ for row in $ROWS; do
     idemproxy-get) proxy_row idemproxy-get get ;;
     idemproxy-post) proxy_row idemproxy-post post ;;
     idemproxy-replay) proxy_row idemproxy-replay replay ;;
+    idemproxy-mcp-replay) proxy_row idemproxy-mcp-replay mcp-replay ;;
     floor-proxy) floor_proxy_row floor-proxy get ;;
     floor-proxy-post) floor_proxy_row floor-proxy-post post ;;
     floor-raw) floor_proxy_row floor-raw get raw ;;
