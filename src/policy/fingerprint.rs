@@ -279,8 +279,7 @@ enum Node {
 fn canonical_json(body: &[u8], ignore: &[String]) -> Result<Vec<u8>, JsonError> {
     let mut parser = jiter::Jiter::new(body);
     let peek = parser.peek().map_err(|_| JsonError::NotJson)?;
-    let mut at = String::new();
-    let mut doc = parse_node(&mut parser, peek, 0, &mut at)?;
+    let mut doc = parse_node(&mut parser, peek, 0)?;
     parser.finish().map_err(|_| JsonError::NotJson)?;
     remove_pointers(&mut doc, ignore);
     let mut out = Vec::with_capacity(body.len());
@@ -288,11 +287,13 @@ fn canonical_json(body: &[u8], ignore: &[String]) -> Result<Vec<u8>, JsonError> 
     Ok(out)
 }
 
+/// One value of the document. A repeated member name's pointer is built on the way out of
+/// the error (each level puts its own step in front), so a body without one pays nothing
+/// for it.
 fn parse_node(
     p: &mut jiter::Jiter<'_>,
     peek: jiter::Peek,
     depth: usize,
-    at: &mut String,
 ) -> Result<Node, JsonError> {
     use jiter::Peek;
     let bad = |_| JsonError::NotJson;
@@ -310,7 +311,9 @@ fn parse_node(
             let mut items = Vec::new();
             let mut next = p.known_array().map_err(bad)?;
             while let Some(peek) = next {
-                items.push(parse_node(p, peek, depth + 1, at)?);
+                let item = parse_node(p, peek, depth + 1)
+                    .map_err(|e| e.within(&items.len().to_string()))?;
+                items.push(item);
                 next = p.array_step().map_err(bad)?;
             }
             Node::Arr(items)
@@ -320,10 +323,7 @@ fn parse_node(
             let mut key = p.known_object().map_err(bad)?.map(str::to_owned);
             while let Some(k) = key {
                 let peek = p.peek().map_err(bad)?;
-                let len = at.len();
-                push_token(at, &k);
-                let value = parse_node(p, peek, depth + 1, at)?;
-                at.truncate(len);
+                let value = parse_node(p, peek, depth + 1).map_err(|e| e.within(&k))?;
                 members.push((k, value));
                 key = p.next_key().map_err(bad)?.map(str::to_owned);
             }
@@ -331,8 +331,7 @@ fn parse_node(
             // a repeated name sits next to itself.
             members.sort_by(|a, b| a.0.encode_utf16().cmp(b.0.encode_utf16()));
             if let Some(w) = members.windows(2).find(|w| w[0].0 == w[1].0) {
-                push_token(at, &w[0].0);
-                return Err(JsonError::Ambiguous(std::mem::take(at)));
+                return Err(JsonError::Ambiguous(String::new()).within(&w[0].0));
             }
             Node::Obj(members)
         }
@@ -344,10 +343,18 @@ fn parse_node(
     })
 }
 
-/// Appends `/name` to a JSON pointer, escaped per RFC 6901.
-fn push_token(at: &mut String, name: &str) {
-    at.push('/');
-    at.push_str(&name.replace('~', "~0").replace('/', "~1"));
+impl JsonError {
+    /// The error as seen from the parent: a repeated member's pointer gets the step
+    /// `token` (escaped per RFC 6901) in front.
+    fn within(self, token: &str) -> JsonError {
+        match self {
+            JsonError::Ambiguous(rest) => JsonError::Ambiguous(format!(
+                "/{}{rest}",
+                token.replace('~', "~0").replace('/', "~1")
+            )),
+            other => other,
+        }
+    }
 }
 
 fn write_node(node: &Node, out: &mut Vec<u8>) {
@@ -953,6 +960,21 @@ mod tests {
             jcs(r#" { "b" : [ { "z":1, "y" : [ ] } ], "a":{ } } "#),
             r#"{"a":{},"b":[{"y":[],"z":1}]}"#
         );
+    }
+
+    #[test]
+    fn a_repeated_member_is_named_by_its_pointer() {
+        for (body, at) in [
+            (r#"{"to":"a","to":"b"}"#, "/to"),
+            (r#"{"a":[{"b":1},{"x":{"t/o":1,"t/o":2}}]}"#, "/a/1/x/t~1o"),
+            (r#"[0,{"~":1,"\u007e":2}]"#, "/1/~0"),
+        ] {
+            assert_eq!(
+                canonical_json(body.as_bytes(), &[]),
+                Err(JsonError::Ambiguous(at.to_string())),
+                "{body}"
+            );
+        }
     }
 
     #[test]
