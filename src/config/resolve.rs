@@ -986,8 +986,8 @@ impl Validator {
                 "expected a map of the tool's arguments",
             );
         }
-        let found = self.matcher(path, "found", rc.found);
-        let not_found = self.matcher(path, "not_found", rc.not_found);
+        let found = self.matcher(path, "found", rc.found, true);
+        let not_found = self.matcher(path, "not_found", rc.not_found, true);
         let settle = self.duration(
             &format!("{path}.settle"),
             rc.settle.as_deref(),
@@ -1002,12 +1002,16 @@ impl Validator {
         })
     }
 
-    fn matcher(&mut self, path: &str, which: &str, m: Option<RawMatcher>) -> Matcher {
+    /// A lookup's `found` / `not_found` matcher: JSON pointers checked, at least one test.
+    /// `tool`: an MCP `reconcile.tool` lookup, judged on its result alone (no `status`).
+    fn matcher(&mut self, path: &str, which: &str, m: Option<RawMatcher>, tool: bool) -> Matcher {
         let Some(m) = m else {
-            self.err(
-                format!("{path}.{which}"),
-                "missing (e.g. { json_nonempty: /structuredContent/items })",
-            );
+            let example = if tool {
+                "missing (e.g. { json_nonempty: /structuredContent/items })"
+            } else {
+                "missing (e.g. { status: 200, json_nonempty: /data })"
+            };
+            self.err(format!("{path}.{which}"), example);
             return Matcher::default();
         };
         for (k, p) in [
@@ -1018,20 +1022,27 @@ impl Validator {
                 self.pointer(&format!("{path}.{which}.{k}"), p);
             }
         }
-        if m.status.is_some() {
+        let tests = m.json_nonempty.is_some() || m.json_empty.is_some();
+        if tool && m.status.is_some() {
             self.err(
                 format!("{path}.{which}.status"),
                 "a tool lookup is judged on its result: use json_nonempty / json_empty",
             );
         }
-        if m.json_nonempty.is_none() && m.json_empty.is_none() {
+        if tool && !tests {
             self.err(
                 format!("{path}.{which}"),
                 "needs json_nonempty or json_empty",
             );
         }
+        if !tool && !tests && m.status.is_none() {
+            self.err(
+                format!("{path}.{which}"),
+                "needs at least one of status, json_nonempty, json_empty",
+            );
+        }
         Matcher {
-            status: None,
+            status: if tool { None } else { m.status },
             json_nonempty: m.json_nonempty,
             json_empty: m.json_empty,
         }
@@ -1539,36 +1550,8 @@ impl Validator {
                 headers.push((h, v));
             }
         }
-        let mut matcher = |which: &str, m: Option<RawMatcher>| -> Matcher {
-            let Some(m) = m else {
-                self.err(
-                    format!("{path}.{which}"),
-                    "missing (e.g. { status: 200, json_nonempty: /data })",
-                );
-                return Matcher::default();
-            };
-            for (k, p) in [
-                ("json_nonempty", &m.json_nonempty),
-                ("json_empty", &m.json_empty),
-            ] {
-                if let Some(p) = p {
-                    self.pointer(&format!("{path}.{which}.{k}"), p);
-                }
-            }
-            if m.status.is_none() && m.json_nonempty.is_none() && m.json_empty.is_none() {
-                self.err(
-                    format!("{path}.{which}"),
-                    "needs at least one of status, json_nonempty, json_empty",
-                );
-            }
-            Matcher {
-                status: m.status,
-                json_nonempty: m.json_nonempty,
-                json_empty: m.json_empty,
-            }
-        };
-        let found = matcher("found", rc.found);
-        let not_found = matcher("not_found", rc.not_found);
+        let found = self.matcher(path, "found", rc.found, false);
+        let not_found = self.matcher(path, "not_found", rc.not_found, false);
         if let Some(p) = &rc.external_id {
             self.pointer(&format!("{path}.external_id"), p);
         }
