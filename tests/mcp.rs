@@ -15,7 +15,7 @@ use std::time::Duration;
 use common::fake_downstream::FakeDownstream;
 use common::{
     cli, client, post, send, ProxyProc, Resp, Schema, TestClient, ADMIN_TOKEN, ADMIN_TOKEN_ENV,
-    PG_URL_VAR,
+    URL_VAR,
 };
 use http::{Method, StatusCode};
 use serde_json::{json, Value};
@@ -179,7 +179,7 @@ async fn world_on(schema: Option<Schema>) -> World {
         None => config(dir.path(), &json.url(), &sse.url(), &fake.url()),
         Some(s) => config_on(
             &format!(
-                "{{ backend: postgres, url_env: {PG_URL_VAR}, schema: {}, retention: 1h }}",
+                "{{ backend: postgres, url_env: {URL_VAR}, schema: {}, retention: 1h }}",
                 s.name
             ),
             &json.url(),

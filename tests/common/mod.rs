@@ -387,8 +387,6 @@ pub fn report_fault(
 
 /// The variable PostgreSQL tests read the server's URL from.
 pub const URL_VAR: &str = "IDEMPROXY_TEST_POSTGRES_URL";
-/// Alias used by some suites.
-pub const PG_URL_VAR: &str = URL_VAR;
 
 /// A fresh PostgreSQL schema for one test, dropped when the guard goes away. Fails loudly
 /// (never skips) when the server's URL is not set.
