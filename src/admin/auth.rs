@@ -9,7 +9,7 @@ use http::HeaderMap;
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
-use crate::config::{AdminToken, Scope};
+use crate::config::AdminToken;
 
 /// Shorter secrets are accepted with a warning; they are guessable.
 const RECOMMENDED_MIN_BYTES: usize = 16;
@@ -168,6 +168,7 @@ impl Token {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::Scope;
     use http::HeaderValue;
 
     fn headers(values: &[&'static str]) -> HeaderMap {
