@@ -1176,7 +1176,7 @@ impl Validator {
             match j.id {
                 Some(p) => {
                     self.pointer(&format!("{path}.job.id"), &p);
-                    Some(crate::policy::job::JobSpec { id: p })
+                    Some(crate::policy::job::JobSpec { id: p, status: None })
                 }
                 None => {
                     self.err(format!("{path}.job.id"), "missing (e.g. /job_id)");

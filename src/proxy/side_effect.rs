@@ -1581,6 +1581,7 @@ fn annotate(route: &Route, record: &mut Record, stored: &StoredResponse) {
             state: crate::policy::job::JobState::Running,
             result: None,
             event: None,
+            ended_by: None,
             started_at_ms: now,
             updated_at_ms: now,
         });

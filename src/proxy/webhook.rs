@@ -218,6 +218,7 @@ async fn correlate(
                 }
                 .into(),
                 body: spec.store_body.then(|| json.clone()),
+                held: None,
             });
             let ended = match verdict {
                 Verdict::Succeeded => Some(JobState::Succeeded),

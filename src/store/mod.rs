@@ -33,10 +33,32 @@ pub enum Claim {
 pub struct ListFilter {
     pub status: Option<State>,
     pub operation: Option<String>,
+    /// Records whose stored `external_id` is this value (a job's id is stored there too).
+    /// Indexed in both stores.
+    pub external_id: Option<String>,
+    /// Records that started a background job (in one state, or any). Indexed in both stores.
+    pub job: Option<JobFilter>,
     /// Exclusive cursor: the last id of the previous page.
     pub after: Option<ExecutionId>,
     /// Page size; 0 returns an empty page.
     pub limit: usize,
+}
+
+/// [`ListFilter::job`]: records with a job, in any state or in one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum JobFilter {
+    Any,
+    In(crate::policy::job::JobState),
+}
+
+impl JobFilter {
+    pub fn admits(self, job: Option<&record::Job>) -> bool {
+        match (self, job) {
+            (_, None) => false,
+            (JobFilter::Any, Some(_)) => true,
+            (JobFilter::In(s), Some(j)) => j.state == s,
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -64,8 +64,8 @@ use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use tokio_postgres::{NoTls, Row};
 
 use super::{
-    now_ms, Claim, Lease, ListFilter, OperationMark, OperationState, ReadAge, Record, SendAge,
-    Store, StoreError, StoreResult,
+    now_ms, Claim, JobFilter, Lease, ListFilter, OperationMark, OperationState, ReadAge, Record,
+    SendAge, Store, StoreError, StoreResult,
 };
 use crate::policy::identity::ExecutionId;
 use crate::policy::state::State;
@@ -143,9 +143,10 @@ impl Sql {
         Sql {
             claim: format!(
                 "INSERT INTO {table} (id, version, state, operation_id, lease_owner, \
-                 lease_expires_at_ms, expires_at_ms, created_at_ms, body, sent_at_ms) \
+                 lease_expires_at_ms, expires_at_ms, created_at_ms, body, sent_at_ms, \
+                 external_id, job_state) \
                  VALUES ($1, $2, $3, $4, $5, $6::bigint + {now}, $7, $8, $9, \
-                 CASE WHEN $3::text = 'executing' THEN {now} END) \
+                 CASE WHEN $3::text = 'executing' THEN {now} END, $10, $11) \
                  ON CONFLICT (id) DO NOTHING",
                 now = db_now!()
             ),
@@ -165,7 +166,8 @@ impl Sql {
                      ELSE $7::bigint + {now} END, \
                  sent_at_ms = CASE WHEN $4::text = 'executing' AND state <> 'executing' \
                      THEN {now} ELSE sent_at_ms END, \
-                 expires_at_ms = $8, created_at_ms = $9, body = $10 \
+                 expires_at_ms = $8, created_at_ms = $9, body = $10, \
+                 external_id = $11, job_state = $12 \
                  WHERE id = $1 AND version = $2 \
                  RETURNING lease_expires_at_ms - {now}, {now} - sent_at_ms",
                 now = db_now!()
@@ -235,6 +237,14 @@ impl Sql {
         }
         if filter.operation.is_some() {
             conds.push(format!("operation_id = {}", param()));
+        }
+        if filter.external_id.is_some() {
+            conds.push(format!("external_id = {}", param()));
+        }
+        match filter.job {
+            None => {}
+            Some(JobFilter::Any) => conds.push("job_state IS NOT NULL".into()),
+            Some(JobFilter::In(_)) => conds.push(format!("job_state = {}", param())),
         }
         if filter.after.is_some() {
             conds.push(format!("id > {}", param()));
@@ -370,6 +380,8 @@ impl PostgresStore {
                         &cols.expires_at_ms,
                         &cols.created_at_ms,
                         &body,
+                        &cols.external_id,
+                        &cols.job_state,
                     ],
                 )
                 .await
@@ -423,6 +435,8 @@ impl PostgresStore {
                     &cols.expires_at_ms,
                     &cols.created_at_ms,
                     &body,
+                    &cols.external_id,
+                    &cols.job_state,
                 ],
             )
             .await
@@ -470,6 +484,16 @@ impl PostgresStore {
         }
         if let Some(o) = &filter.operation {
             params.push(o);
+        }
+        if let Some(e) = &filter.external_id {
+            params.push(e);
+        }
+        let job_state = match filter.job {
+            Some(JobFilter::In(s)) => Some(s.as_str()),
+            _ => None,
+        };
+        if let Some(j) = &job_state {
+            params.push(j);
         }
         if let Some(a) = &after {
             params.push(a);
@@ -704,6 +728,8 @@ struct Columns<'a> {
     lease_left_ms: Option<i64>,
     expires_at_ms: i64,
     created_at_ms: i64,
+    external_id: Option<&'a str>,
+    job_state: Option<&'static str>,
 }
 
 impl<'a> Columns<'a> {
@@ -718,6 +744,8 @@ impl<'a> Columns<'a> {
                 .map(|l| l.expires_at_ms.saturating_sub(now_ms())),
             expires_at_ms: r.expires_at_ms,
             created_at_ms: r.created_at_ms,
+            external_id: r.external_id.as_deref(),
+            job_state: r.job.as_ref().map(|j| j.state.as_str()),
         }
     }
 }
@@ -1295,6 +1323,101 @@ mod tests {
                 .collect();
             want.sort();
             assert_eq!(names, want, "executing and retained records survive");
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn external_ids_and_jobs_are_indexed_and_backfilled_by_migration_5() {
+        use crate::policy::job::JobState;
+        use crate::store::JobFilter;
+        with_schema(|url, schema| async move {
+            let s = store(&url, &schema).await;
+            let job = |id_: &str, job: &str, state: JobState| {
+                let mut r = start(record(id_, "op", NOW + 100), "me", NOW + 10_000);
+                r.apply(Event::Commit, NOW, None).expect("commit");
+                r.lease = None;
+                r.external_id = Some(job.into());
+                r.job = Some(crate::store::record::Job {
+                    id: job.into(),
+                    state,
+                    result: None,
+                    event: None,
+                    ended_by: None,
+                    started_at_ms: NOW,
+                    updated_at_ms: NOW,
+                });
+                r
+            };
+            for r in [
+                job("ex_a", "job_1", JobState::Running),
+                job("ex_b", "job_2", JobState::Running),
+                job("ex_c", "job_1", JobState::Succeeded),
+                record("ex_d", "op", NOW + 100),
+            ] {
+                s.claim(r).await.expect("claim");
+            }
+            let ids = |v: Vec<Record>| v.into_iter().map(|r| r.id.0).collect::<Vec<_>>();
+            let check = |s: PostgresStore| async move {
+                let by_ext = s
+                    .list(&ListFilter {
+                        external_id: Some("job_1".into()),
+                        limit: 10,
+                        ..ListFilter::default()
+                    })
+                    .await
+                    .expect("list");
+                assert_eq!(ids(by_ext), ["ex_a", "ex_c"]);
+                let running = s
+                    .list(&ListFilter {
+                        job: Some(JobFilter::In(JobState::Running)),
+                        limit: 10,
+                        ..ListFilter::default()
+                    })
+                    .await
+                    .expect("list");
+                assert_eq!(ids(running), ["ex_a", "ex_b"]);
+                let any = s
+                    .list(&ListFilter {
+                        job: Some(JobFilter::Any),
+                        after: Some(id("ex_a")),
+                        limit: 10,
+                        ..ListFilter::default()
+                    })
+                    .await
+                    .expect("list");
+                assert_eq!(ids(any), ["ex_b", "ex_c"]);
+                s
+            };
+            let s = check(s).await;
+            // A job that ends moves in the index with the row.
+            let mut b = s.get(&id("ex_b")).await.expect("get").expect("row");
+            b.job.as_mut().expect("job").state = JobState::Failed;
+            s.update(b).await.expect("update");
+            let failed = s
+                .list(&ListFilter {
+                    job: Some(JobFilter::In(JobState::Failed)),
+                    limit: 10,
+                    ..ListFilter::default()
+                })
+                .await
+                .expect("list");
+            assert_eq!(ids(failed), ["ex_b"]);
+            let mut b = s.get(&id("ex_b")).await.expect("get").expect("row");
+            b.job.as_mut().expect("job").state = JobState::Running;
+            s.update(b).await.expect("update");
+            drop(s);
+            // Rows written before migration 5 get their columns from their bodies.
+            let q = schema::quote(&schema);
+            raw_client(&url)
+                .await
+                .batch_execute(&format!(
+                    "ALTER TABLE {q}.records DROP COLUMN external_id, DROP COLUMN job_state; \
+                     DELETE FROM {q}.schema_migrations WHERE version = 5"
+                ))
+                .await
+                .expect("back to version 4");
+            check(store(&url, &schema).await).await;
         })
         .await;
     }

@@ -61,6 +61,11 @@ pub struct WebhookEvent {
     pub verdict: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub body: Option<serde_json::Value>,
+    /// A `succeeded` event that arrived while the call was still `executing`: its evidence
+    /// (the event's `data.object`, else the event), held to settle the call the moment it
+    /// would become `outcome_unknown` ([`crate::policy::webhook::settle_held`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held: Option<serde_json::Value>,
 }
 
 /// A background job started by the call (SPEC section 9.2). Its state moves only through
@@ -75,6 +80,9 @@ pub struct Job {
     /// The event that ended it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub event: Option<String>,
+    /// What ended it: a webhook, an observed status poll or the proxy's own polling.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended_by: Option<crate::policy::job::EndedBy>,
     pub started_at_ms: i64,
     pub updated_at_ms: i64,
 }

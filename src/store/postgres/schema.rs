@@ -59,6 +59,34 @@ const MIGRATIONS: &[(i32, &str)] = &[
     ALTER TABLE {schema}.records ADD COLUMN sent_at_ms bigint;
     "#,
     ),
+    (
+        5,
+        r#"
+    -- Background jobs and correlation by external id (SPEC section 9): the record's
+    -- downstream id (a job's id is stored there too) and its job's state, so a webhook event
+    -- correlated `to: external_id`, a job's status answer and the job poller find their
+    -- records by index. Rows written before this step get them from their body.
+    ALTER TABLE {schema}.records ADD COLUMN external_id text, ADD COLUMN job_state text;
+    -- A body that is not JSON (a damaged row) keeps NULLs, as reads report it anyway.
+    CREATE FUNCTION pg_temp.idemproxy_record_json(b bytea) RETURNS jsonb
+    LANGUAGE plpgsql AS $$
+    BEGIN
+        RETURN convert_from(b, 'UTF8')::jsonb;
+    EXCEPTION WHEN others THEN
+        RETURN NULL;
+    END $$;
+    UPDATE {schema}.records r SET
+        external_id = s.j ->> 'external_id',
+        job_state = s.j -> 'job' ->> 'state'
+    FROM (SELECT id, pg_temp.idemproxy_record_json(body) AS j FROM {schema}.records) s
+    WHERE r.id = s.id AND (s.j ->> 'external_id' IS NOT NULL OR s.j -> 'job' IS NOT NULL);
+    DROP FUNCTION pg_temp.idemproxy_record_json(bytea);
+    CREATE INDEX records_external_id_idx ON {schema}.records (external_id, id)
+        WHERE external_id IS NOT NULL;
+    CREATE INDEX records_job_state_idx ON {schema}.records (job_state, id)
+        WHERE job_state IS NOT NULL;
+    "#,
+    ),
 ];
 
 /// The newest schema version this build knows.

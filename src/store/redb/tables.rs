@@ -11,7 +11,8 @@ use ::redb::{
     TableDefinition, WriteTransaction,
 };
 
-use crate::store::{Claim, ListFilter, OperationMark, Record, StoreError, StoreResult};
+use crate::policy::job::JobState;
+use crate::store::{Claim, JobFilter, ListFilter, OperationMark, Record, StoreError, StoreResult};
 
 /// Execution id → the record's place in [`RECORD_DATA`]. Ids are hashes, so every claim
 /// writes this table at a random place; its entries are small (about 60 bytes), so that
@@ -46,6 +47,18 @@ const BY_STATUS: TableDefinition<(u8, &str), ()> = TableDefinition::new("by_stat
 const BY_EXPIRY: TableDefinition<(i64, &str), ()> = TableDefinition::new("by_expiry");
 /// (operation id, execution id): `ListFilter.operation` (cancelling an operation).
 const BY_OPERATION: TableDefinition<(&str, &str), ()> = TableDefinition::new("by_operation");
+/// (external id, execution id): `ListFilter.external_id`, how a webhook event correlated by
+/// `to: external_id` (or a job's status answer, by the job's id) finds its call.
+const BY_EXTERNAL: TableDefinition<(&str, &str), ()> = TableDefinition::new("by_external_id");
+/// (job state code, execution id): `ListFilter.job`, the running jobs the poller reads and
+/// `GET /v1/jobs?state=`. Only records that started a job have an entry.
+const BY_JOB: TableDefinition<(u8, &str), ()> = TableDefinition::new("by_job");
+/// Index name → the last execution id whose entries are built: an index added after a file
+/// was written is built when the file opens, [`MIGRATE_CHUNK`] records per transaction,
+/// resuming here after a crash. The entry goes once the index is complete.
+const INDEX_BUILDS: TableDefinition<&str, &str> = TableDefinition::new("index_builds");
+/// The indexes [`INDEX_BUILDS`] builds for files written before them.
+const BUILT_AT_OPEN: [&str; 2] = ["by_external_id", "by_job"];
 /// Operation id → [`OperationMark::to_bytes`]. Marks are few (one per cancellation), so gc
 /// walks the table instead of keeping an expiry index for it.
 const OPERATIONS: TableDefinition<&str, &[u8]> = TableDefinition::new("operations");
@@ -83,6 +96,16 @@ struct StoredMeta {
     expires_at_ms: i64,
     #[serde(default)]
     operation_id: Option<String>,
+    #[serde(default)]
+    external_id: Option<String>,
+    #[serde(default)]
+    job: Option<JobMeta>,
+}
+
+/// The one field of a stored job an index needs.
+#[derive(serde::Deserialize)]
+struct JobMeta {
+    state: crate::policy::job::JobState,
 }
 
 impl StoredMeta {
@@ -98,6 +121,8 @@ impl StoredMeta {
             state: self.state.code(),
             expires_at_ms: self.expires_at_ms,
             operation_id: self.operation_id.as_deref(),
+            external_id: self.external_id.as_deref(),
+            job: self.job.as_ref().map(|j| j.state.code()),
         }
     }
 }
@@ -107,6 +132,20 @@ struct IndexKeys<'a> {
     state: u8,
     expires_at_ms: i64,
     operation_id: Option<&'a str>,
+    external_id: Option<&'a str>,
+    job: Option<u8>,
+}
+
+impl<'a> IndexKeys<'a> {
+    fn of(r: &'a Record) -> IndexKeys<'a> {
+        IndexKeys {
+            state: r.state().code(),
+            expires_at_ms: r.expires_at_ms,
+            operation_id: r.operation_id.as_deref(),
+            external_id: r.external_id.as_deref(),
+            job: r.job.as_ref().map(|j| j.state.code()),
+        }
+    }
 }
 
 /// Creates every table, so read transactions never meet a missing one, and moves the
@@ -114,6 +153,7 @@ struct IndexKeys<'a> {
 /// transaction. A crash part way leaves each record in exactly one of the two layouts,
 /// and the next open goes on where this one stopped.
 pub(super) fn create_all(db: &Database, chunk: usize) -> StoreResult<()> {
+    plan_index_builds(db)?;
     let mut moved = 0u64;
     loop {
         let txn = db.begin_write().map_err(storage)?;
@@ -139,6 +179,68 @@ pub(super) fn create_all(db: &Database, chunk: usize) -> StoreResult<()> {
             records = moved,
             "moved the store's records to the current layout"
         );
+    }
+    build_indexes(db, chunk)
+}
+
+/// Notes in [`INDEX_BUILDS`] every index of [`BUILT_AT_OPEN`] the file does not have yet
+/// (written by an older idemproxy), in the transaction that creates it, so the build is
+/// planned exactly once and a crash part way resumes it.
+fn plan_index_builds(db: &Database) -> StoreResult<()> {
+    use ::redb::TableHandle;
+    let txn = db.begin_write().map_err(storage)?;
+    let names: Vec<String> = txn
+        .list_tables()
+        .map_err(storage)?
+        .map(|t| t.name().to_string())
+        .collect();
+    {
+        let mut builds = txn.open_table(INDEX_BUILDS).map_err(storage)?;
+        for index in BUILT_AT_OPEN {
+            if !names.iter().any(|n| n == index) {
+                builds.insert(index, "").map_err(storage)?;
+            }
+        }
+    }
+    txn.open_table(BY_EXTERNAL).map_err(storage)?;
+    txn.open_table(BY_JOB).map_err(storage)?;
+    txn.commit().map_err(storage)
+}
+
+/// Builds the entries of every index [`INDEX_BUILDS`] names, `chunk` records per
+/// transaction in execution-id order, each transaction moving the cursor with its entries.
+fn build_indexes(db: &Database, chunk: usize) -> StoreResult<()> {
+    let mut built = 0u64;
+    loop {
+        let txn = db.begin_write().map_err(storage)?;
+        let pending = {
+            let builds = txn.open_table(INDEX_BUILDS).map_err(storage)?;
+            let first = builds.first().map_err(storage)?;
+            first.map(|(k, v)| (k.value().to_string(), v.value().to_string()))
+        };
+        let Some((index, cursor)) = pending else {
+            break;
+        };
+        let done = {
+            let mut tables = WriteTables::open(&txn)?;
+            let (n, last) = tables.index_chunk(&index, &cursor, chunk)?;
+            built += n;
+            let mut builds = txn.open_table(INDEX_BUILDS).map_err(storage)?;
+            match &last {
+                Some(last) => builds
+                    .insert(index.as_str(), last.as_str())
+                    .map_err(storage)?,
+                None => builds.remove(index.as_str()).map_err(storage)?,
+            };
+            last.is_none()
+        };
+        txn.commit().map_err(storage)?;
+        if done {
+            tracing::info!(index = %index, "built an index this file did not have yet");
+        }
+    }
+    if built > 0 {
+        tracing::info!(entries = built, "index entries built at open");
     }
     Ok(())
 }
@@ -288,16 +390,83 @@ impl Snapshot {
                     .operation
                     .as_ref()
                     .is_none_or(|op| r.operation_id.as_ref() == Some(op))
+                && filter
+                    .external_id
+                    .as_ref()
+                    .is_none_or(|e| r.external_id.as_ref() == Some(e))
+                && filter.job.is_none_or(|j| j.admits(r.job.as_ref()))
         };
         // Walk whichever index narrows the most; each yields ids in id order, which is the
         // order the cursor needs. Delivered records are not in the status index.
-        if let Some(state) = filter.status.filter(|s| status_indexed(s.code())) {
+        if let Some(state) = filter
+            .status
+            .filter(|s| status_indexed(s.code()) && filter.external_id.is_none())
+        {
             let by_status = self.txn.open_table(BY_STATUS).map_err(storage)?;
             for id in ids_in_state(&by_status, state.code(), after)? {
                 let id = id?;
                 let loaded = records
                     .load(&id)
                     .and_then(|r| r.ok_or_else(|| dangling("status", &id)));
+                let Some(record) = listable(loaded)? else {
+                    continue;
+                };
+                if wanted(&record) {
+                    out.push(record);
+                    if out.len() >= filter.limit {
+                        break;
+                    }
+                }
+            }
+        } else if let Some(ext) = filter.external_id.as_deref() {
+            let by_external = self.txn.open_table(BY_EXTERNAL).map_err(storage)?;
+            let lower = match after {
+                Some(a) => Bound::Excluded((ext, a)),
+                None => Bound::Included((ext, "")),
+            };
+            let range = by_external
+                .range::<(&str, &str)>((lower, Bound::Unbounded))
+                .map_err(storage)?;
+            for entry in range {
+                let (key, _) = entry.map_err(storage)?;
+                let (key_ext, id) = key.value();
+                if key_ext != ext {
+                    break;
+                }
+                let loaded = records
+                    .load(id)
+                    .and_then(|r| r.ok_or_else(|| dangling("external id", id)));
+                let Some(record) = listable(loaded)? else {
+                    continue;
+                };
+                if wanted(&record) {
+                    out.push(record);
+                    if out.len() >= filter.limit {
+                        break;
+                    }
+                }
+            }
+        } else if let Some(job) = filter.job {
+            let by_job = self.txn.open_table(BY_JOB).map_err(storage)?;
+            let codes: Vec<u8> = match job {
+                JobFilter::Any => JobState::ALL.iter().map(|s| s.code()).collect(),
+                JobFilter::In(s) => vec![s.code()],
+            };
+            // Each state's entries are in id order: merge them, a page's worth of each.
+            let mut ids = Vec::new();
+            for code in codes {
+                for id in ids_in_state(&by_job, code, after)? {
+                    ids.push(id?);
+                    if ids.len() >= filter.limit * JobState::ALL.len() {
+                        break;
+                    }
+                }
+            }
+            ids.sort();
+            for id in ids {
+                let loaded = records
+                    .load(&id)
+                    .and_then(|r| r.ok_or_else(|| dangling("job", &id)));
                 let Some(record) = listable(loaded)? else {
                     continue;
                 };
@@ -401,7 +570,7 @@ impl Snapshot {
     }
 }
 
-/// The six tables opened inside one write transaction. Every method either fails with
+/// The eight tables opened inside one write transaction. Every method either fails with
 /// [`StoreError::Backend`] (redb failed: the caller aborts the batch) or checks everything
 /// before its first write, so a logical refusal (Conflict, NotFound, Corrupt) writes nothing
 /// and the rest of the batch goes on.
@@ -413,6 +582,8 @@ pub(super) struct WriteTables<'t> {
     by_status: Table<'t, (u8, &'static str), ()>,
     by_expiry: Table<'t, (i64, &'static str), ()>,
     by_operation: Table<'t, (&'static str, &'static str), ()>,
+    by_external: Table<'t, (&'static str, &'static str), ()>,
+    by_job: Table<'t, (u8, &'static str), ()>,
     operations: Table<'t, &'static str, &'static [u8]>,
 }
 
@@ -432,6 +603,8 @@ impl<'t> WriteTables<'t> {
             by_status: txn.open_table(BY_STATUS).map_err(storage)?,
             by_expiry: txn.open_table(BY_EXPIRY).map_err(storage)?,
             by_operation: txn.open_table(BY_OPERATION).map_err(storage)?,
+            by_external: txn.open_table(BY_EXTERNAL).map_err(storage)?,
+            by_job: txn.open_table(BY_JOB).map_err(storage)?,
             operations: txn.open_table(OPERATIONS).map_err(storage)?,
         })
     }
@@ -653,7 +826,99 @@ impl<'t> WriteTables<'t> {
                 self.by_operation.insert((op, id), ()).map_err(storage)?;
             }
         }
+        let new_keys = IndexKeys::of(new);
+        self.move_job_entries(id, old.as_ref(), &new_keys)
+    }
+
+    /// The external-id and job entries of record `id` from `old` (none for a new record) to
+    /// `new`. Both are absent for most records, so this writes nothing for them.
+    fn move_job_entries(
+        &mut self,
+        id: &str,
+        old: Option<&IndexKeys<'_>>,
+        new: &IndexKeys<'_>,
+    ) -> StoreResult<()> {
+        let old_ext = old.and_then(|o| o.external_id);
+        if old_ext != new.external_id {
+            if let Some(e) = old_ext {
+                self.by_external.remove((e, id)).map_err(storage)?;
+            }
+            if let Some(e) = new.external_id {
+                self.by_external.insert((e, id), ()).map_err(storage)?;
+            }
+        }
+        let old_job = old.and_then(|o| o.job);
+        if old_job != new.job {
+            if let Some(code) = old_job {
+                self.by_job.remove((code, id)).map_err(storage)?;
+            }
+            if let Some(code) = new.job {
+                self.by_job.insert((code, id), ()).map_err(storage)?;
+            }
+        }
         Ok(())
+    }
+
+    /// Builds `index`'s entries for up to `limit` records after `cursor` (execution-id
+    /// order). Returns how many records were read and the last id (`None`: the build is done).
+    fn index_chunk(
+        &mut self,
+        index: &str,
+        cursor: &str,
+        limit: usize,
+    ) -> StoreResult<(u64, Option<String>)> {
+        let lower = if cursor.is_empty() {
+            Bound::Unbounded
+        } else {
+            Bound::Excluded(cursor)
+        };
+        let mut batch = Vec::new();
+        for entry in self
+            .records
+            .ids
+            .range::<&str>((lower, Bound::Unbounded))
+            .map_err(storage)?
+        {
+            let (id, place) = entry.map_err(storage)?;
+            batch.push((id.value().to_string(), place.value()));
+            if batch.len() > limit {
+                break;
+            }
+        }
+        let more = batch.len() > limit;
+        batch.truncate(limit);
+        for (id, place) in &batch {
+            let meta = match self.records.data.get(*place).map_err(storage)? {
+                Some(v) => StoredMeta::decode(id, v.value()),
+                None => Err(dangling("id", id)),
+            };
+            let meta = match meta {
+                Ok(m) => m,
+                Err(e @ StoreError::Corrupt { .. }) => {
+                    tracing::warn!(error = %e, "index build skips an unreadable record");
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            let keys = meta.keys();
+            let wanted = IndexKeys {
+                external_id: keys.external_id.filter(|_| index == "by_external_id"),
+                job: keys.job.filter(|_| index == "by_job"),
+                ..keys
+            };
+            let none = IndexKeys {
+                external_id: None,
+                job: None,
+                ..meta.keys()
+            };
+            self.move_job_entries(id, Some(&none), &wanted)?;
+        }
+        let last = if more {
+            batch.last().map(|(id, _)| id.clone())
+        } else {
+            None
+        };
+        Ok((batch.len() as u64, last))
     }
 
     fn delete(&mut self, place: u64, record: &Record) -> StoreResult<()> {
@@ -669,8 +934,38 @@ impl<'t> WriteTables<'t> {
         if let Some(op) = record.operation_id.as_deref() {
             self.by_operation.remove((op, id)).map_err(storage)?;
         }
+        if let Some(e) = record.external_id.as_deref() {
+            self.by_external.remove((e, id)).map_err(storage)?;
+        }
+        if let Some(job) = &record.job {
+            self.by_job
+                .remove((job.state.code(), id))
+                .map_err(storage)?;
+        }
         Ok(())
     }
+}
+
+/// The number of entries in the external-id and job indexes, for tests.
+#[cfg(test)]
+pub(super) fn job_index_sizes(db: &Database) -> [u64; 2] {
+    use ::redb::ReadableTableMetadata;
+    let txn = db.begin_read().expect("test reads its own database");
+    [
+        txn.open_table(BY_EXTERNAL).expect("table exists").len(),
+        txn.open_table(BY_JOB).expect("table exists").len(),
+    ]
+    .map(|n| n.expect("len reads"))
+}
+
+/// Deletes the external-id and job indexes, as a file written before them lacks them.
+#[cfg(test)]
+pub(super) fn drop_job_indexes(db: &Database) {
+    let txn = db.begin_write().expect("test writes its own database");
+    txn.delete_table(BY_EXTERNAL).expect("deletes");
+    txn.delete_table(BY_JOB).expect("deletes");
+    txn.delete_table(INDEX_BUILDS).expect("deletes");
+    txn.commit().expect("commits");
 }
 
 /// The number of entries in each table (records, status, expiry, operation), for tests

@@ -949,3 +949,120 @@ async fn a_listing_skips_an_unreadable_record() {
         ["ex_b"]
     );
 }
+
+/// A committed record that started job `job` (also its external id), in `state`.
+fn with_job(id_: &str, job: &str, state: crate::policy::job::JobState) -> Record {
+    let mut r = executing(record(id_, None, 100), None);
+    r.apply(Event::Commit, 3, None).expect("commit");
+    r.external_id = Some(job.into());
+    r.job = Some(crate::store::record::Job {
+        id: job.into(),
+        state,
+        result: None,
+        event: None,
+        ended_by: None,
+        started_at_ms: 3,
+        updated_at_ms: 3,
+    });
+    r
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn external_ids_and_jobs_are_indexed_and_built_for_older_files() {
+    use crate::policy::job::JobState::{Failed, Running, Succeeded};
+    use crate::store::JobFilter;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("store.redb");
+    let store = RedbStore::open(&path).expect("opens");
+    insert(&store, with_job("ex_a", "job_1", Running)).await;
+    insert(&store, with_job("ex_b", "job_2", Running)).await;
+    insert(&store, with_job("ex_c", "job_3", Succeeded)).await;
+    let mut shared = executing(record("ex_d", None, 100), None);
+    shared.apply(Event::Commit, 3, None).expect("commit");
+    shared.external_id = Some("job_1".into());
+    insert(&store, shared).await;
+    insert(&store, executing(record("ex_e", None, 100), None)).await;
+    fn ids(rs: Vec<Record>) -> Vec<String> {
+        rs.into_iter().map(|r| r.id.0).collect()
+    }
+    async fn check(store: &RedbStore) {
+        {
+            let list = |f: ListFilter| async move { ids(store.list(&f).await.expect("list")) };
+            assert_eq!(
+                list(ListFilter {
+                    external_id: Some("job_1".into()),
+                    limit: 10,
+                    ..ListFilter::default()
+                })
+                .await,
+                ["ex_a", "ex_d"]
+            );
+            assert_eq!(
+                list(ListFilter {
+                    job: Some(JobFilter::In(Running)),
+                    limit: 10,
+                    ..ListFilter::default()
+                })
+                .await,
+                ["ex_a", "ex_b"]
+            );
+            assert_eq!(
+                list(ListFilter {
+                    job: Some(JobFilter::Any),
+                    limit: 10,
+                    ..ListFilter::default()
+                })
+                .await,
+                ["ex_a", "ex_b", "ex_c"]
+            );
+            // Paged with the cursor across the job states.
+            assert_eq!(
+                list(ListFilter {
+                    job: Some(JobFilter::Any),
+                    after: Some(id("ex_a")),
+                    limit: 1,
+                    ..ListFilter::default()
+                })
+                .await,
+                ["ex_b"]
+            );
+        }
+    }
+    check(&store).await;
+    assert_eq!(
+        tables::job_index_sizes(&store.shared.db().expect("open")),
+        [4, 3]
+    );
+    // A job ends: its entry moves; a record deleted by gc takes its entries along.
+    let mut b = store.get(&id("ex_b")).await.expect("get").expect("stored");
+    b.job.as_mut().expect("job").state = Failed;
+    store.update(b).await.expect("update");
+    let failed = store
+        .list(&ListFilter {
+            job: Some(JobFilter::In(Failed)),
+            limit: 10,
+            ..ListFilter::default()
+        })
+        .await
+        .expect("list");
+    assert_eq!(ids(failed), ["ex_b"]);
+    let mut b = store.get(&id("ex_b")).await.expect("get").expect("stored");
+    b.job.as_mut().expect("job").state = Running;
+    store.update(b).await.expect("update");
+    drop(store);
+
+    // A file written before these indexes: built when it opens, two records per
+    // transaction, with the same answers.
+    let db = ::redb::Database::open(&path).expect("opens raw");
+    tables::drop_job_indexes(&db);
+    tables::create_all(&db, 2).expect("builds");
+    assert_eq!(tables::job_index_sizes(&db), [4, 3]);
+    drop(db);
+    let store = RedbStore::open(&path).expect("opens");
+    check(&store).await;
+    assert_eq!(store.gc(1_000, 100).await.expect("gc"), 4, "all but ex_e");
+    assert_eq!(
+        tables::job_index_sizes(&store.shared.db().expect("open")),
+        [0, 0]
+    );
+}
