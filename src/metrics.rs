@@ -22,6 +22,13 @@ pub struct ResultLabels {
     pub result: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct JobLabels {
+    pub upstream: String,
+    pub route: String,
+    pub state: String,
+}
+
 type HistogramFamily = Family<RouteLabels, Histogram, fn() -> Histogram>;
 
 pub struct Metrics {
@@ -33,6 +40,9 @@ pub struct Metrics {
     pub reconciliations: Family<ResultLabels, Counter>,
     /// Webhook deliveries by result (SPEC section 9.1).
     pub webhooks: Family<ResultLabels, Counter>,
+    /// Background jobs by each move (SPEC section 9.2): `running` when a call starts one,
+    /// `succeeded` / `failed` when it ends.
+    pub jobs: Family<JobLabels, Counter>,
     pub unprotected: Family<RouteLabels, Counter>,
     /// Side-effect calls answered without sending, by why (`key_mismatch`, `in_flight`,
     /// `approval_required`).
@@ -65,6 +75,7 @@ impl Metrics {
         let outcome_unknown = Family::<RouteLabels, Counter>::default();
         let reconciliations = Family::<ResultLabels, Counter>::default();
         let webhooks = Family::<ResultLabels, Counter>::default();
+        let jobs = Family::<JobLabels, Counter>::default();
         let unprotected = Family::<RouteLabels, Counter>::default();
         let refusals = Family::<ResultLabels, Counter>::default();
         let approvals = Family::<ResultLabels, Counter>::default();
@@ -101,6 +112,11 @@ impl Metrics {
             webhooks.clone(),
         );
         registry.register(
+            "idemproxy_jobs",
+            "Background job moves by state: running (started by a call), succeeded, failed",
+            jobs.clone(),
+        );
+        registry.register(
             "idemproxy_unprotected",
             "Side-effect requests forwarded without a key (key_required: false)",
             unprotected.clone(),
@@ -133,6 +149,7 @@ impl Metrics {
             outcome_unknown,
             reconciliations,
             webhooks,
+            jobs,
             unprotected,
             refusals,
             approvals,
@@ -170,6 +187,17 @@ impl Metrics {
                 upstream: upstream.to_string(),
                 route: route.to_string(),
                 result: result.to_string(),
+            })
+            .inc();
+    }
+
+    /// A job moved to `state` (started, or ended by a webhook, an observed poll or polling).
+    pub fn job(&self, upstream: &str, route: &str, state: crate::policy::job::JobState) {
+        self.jobs
+            .get_or_create(&JobLabels {
+                upstream: upstream.to_string(),
+                route: route.to_string(),
+                state: state.as_str().to_string(),
             })
             .inc();
     }

@@ -58,6 +58,7 @@ upstreams:
           correlate:
             - {{ json: /data/object/metadata/execution_id, to: execution_id }}
             - {{ json: /request/idempotency_key, to: execution_id }}
+            - {{ json: /data/object/id, to: external_id }}
           outcome:
             status: /type
             succeeded: [payment_intent.succeeded, job.completed]
@@ -387,10 +388,11 @@ async fn a_stripe_event_settles_an_unknown_payment_and_its_retry_is_not_resent()
 }
 
 #[tokio::test]
-async fn an_event_for_a_call_still_executing_is_refused_until_the_call_has_an_outcome() {
+async fn an_event_for_a_call_still_executing_is_held_and_settles_it_when_it_times_out() {
     let env = Env::new().await;
     let proxy = env.start();
     let c = client();
+    // The downstream commits, then answers after the route's 1s timeout.
     let charge = proxy.url("/pay/timeout-after-commit/send");
     let call = {
         let (c, charge) = (c.clone(), charge.clone());
@@ -414,17 +416,14 @@ async fn an_event_for_a_call_still_executing_is_refused_until_the_call_has_an_ou
     let event = format!(
         r#"{{"id":"evt_pi_78","type":"payment_intent.succeeded","data":{{"object":{{"id":"pi_78","metadata":{{"execution_id":"{exec}"}}}}}}}}"#
     );
+    // Delivered while the call is still executing: recorded, forwarded, held.
     let headers = signed("stripe", STRIPE_SECRET, "evt_pi_78", now_s(), &event);
     let early = deliver(&c, &proxy.url("/stripe/send"), &headers, &event).await;
-    assert_eq!(early.status, StatusCode::CONFLICT, "{early:?}");
-    assert!(early.header("retry-after").is_some());
-    assert_eq!(env.ds.hits_on("/send"), 0, "refused before forwarding");
+    assert!(early.status.is_success(), "{early:?}");
+    assert_eq!(env.ds.hits_on("/send"), 1, "forwarded to the receiver");
+    // The call times out: instead of outcome_unknown, the held event settles it.
     let r = call.await.expect("call");
     assert_eq!(r.status, StatusCode::GATEWAY_TIMEOUT, "{r:?}");
-    // The provider's redelivery settles the now unknown outcome.
-    let headers = signed("stripe", STRIPE_SECRET, "evt_pi_78", now_s(), &event);
-    let r = deliver(&c, &proxy.url("/stripe/send"), &headers, &event).await;
-    assert!(r.status.is_success(), "{r:?}");
     let r = post(
         &c,
         &charge,
@@ -434,9 +433,32 @@ async fn an_event_for_a_call_still_executing_is_refused_until_the_call_has_an_ou
     .await;
     assert_eq!(r.status, StatusCode::OK, "{r:?}");
     assert_eq!(r.header("idempotency-reconciled"), Some("webhook"));
+    assert_eq!(r.header("idempotency-webhook-event"), Some("evt_pi_78"));
     assert_eq!(r.json()["id"], "pi_78");
-    assert_eq!(env.ds.hits_on("/timeout-after-commit/send"), 1);
+    assert_eq!(
+        env.ds.hits_on("/timeout-after-commit/send"),
+        1,
+        "one downstream call in total"
+    );
+    // A redelivery is replayed, not forwarded again.
+    let headers = signed("stripe", STRIPE_SECRET, "evt_pi_78", now_s(), &event);
+    let again = deliver(&c, &proxy.url("/stripe/send"), &headers, &event).await;
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
     assert_eq!(env.ds.hits_on("/send"), 1);
+    let auth = format!("Bearer {ADMIN_TOKEN}");
+    let shown = send(
+        &c,
+        http::Method::GET,
+        &proxy.admin_url(&format!("/v1/executions/{exec}")),
+        &[("authorization", &auth)],
+        "",
+    )
+    .await;
+    let text = String::from_utf8_lossy(&shown.body);
+    assert!(
+        text.contains("lose_outcome") && text.contains("settle_by_webhook"),
+        "{text}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -575,4 +597,55 @@ async fn a_job_started_by_a_call_is_completed_by_a_correlated_event() {
     assert_eq!(again.header("idempotent-replayed"), Some("true"));
     assert_eq!(again.body, first.body);
     assert_eq!(env.ds.commits_for(&exec), 1);
+}
+
+#[tokio::test]
+async fn an_event_correlated_by_external_id_ends_the_job_it_names() {
+    let env = Env::new().await;
+    let proxy = env.start();
+    let c = client();
+    let first = post(
+        &c,
+        &proxy.url("/pay/send"),
+        &[("Idempotency-Key", "report-11")],
+        "{}",
+    )
+    .await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let job_id = first.json()["id"].as_str().expect("job id").to_string();
+    // The event carries no execution id: only the job's id, the record's external id.
+    let event = format!(
+        r#"{{"id":"evt_job_11","type":"job.completed","data":{{"object":{{"id":"{job_id}","output":"r.csv"}}}}}}"#
+    );
+    let headers = signed("stripe", STRIPE_SECRET, "evt_job_11", now_s(), &event);
+    let r = deliver(&c, &proxy.url("/stripe/send"), &headers, &event).await;
+    assert!(r.status.is_success(), "{r:?}");
+    let done = jobs(&c, &proxy, "succeeded").await;
+    assert_eq!(done.len(), 1, "{done:?}");
+    assert_eq!(done[0]["job"]["id"], job_id.as_str());
+    assert_eq!(done[0]["job"]["ended_by"], "webhook");
+    assert_eq!(done[0]["job"]["result"]["output"], "r.csv");
+    // An event naming an external id no call holds is forwarded, uncorrelated.
+    let stray = r#"{"id":"evt_stray","type":"job.completed","data":{"object":{"id":"nobody"}}}"#;
+    let headers = signed("stripe", STRIPE_SECRET, "evt_stray", now_s(), stray);
+    let r = deliver(&c, &proxy.url("/stripe/send"), &headers, stray).await;
+    assert!(r.status.is_success(), "{r:?}");
+    let auth = format!("Bearer {ADMIN_TOKEN}");
+    let m = send(
+        &c,
+        http::Method::GET,
+        &proxy.admin_url("/metrics"),
+        &[("authorization", &auth)],
+        "",
+    )
+    .await;
+    let text = String::from_utf8_lossy(&m.body);
+    for line in [
+        r#"idemproxy_webhooks_total{upstream="stripe",route="events",result="correlated"} 1"#,
+        r#"idemproxy_webhooks_total{upstream="stripe",route="events",result="uncorrelated"} 1"#,
+        r#"idemproxy_jobs_total{upstream="pay",route="start_job",state="running"} 1"#,
+        r#"idemproxy_jobs_total{upstream="pay",route="start_job",state="succeeded"} 1"#,
+    ] {
+        assert!(text.contains(line), "missing {line} in\n{text}");
+    }
 }

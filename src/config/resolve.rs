@@ -1338,7 +1338,8 @@ impl Validator {
     /// environment here; an unset variable leaves the route refusing every delivery.
     fn webhook(&mut self, path: &str, w: RawWebhook) -> crate::policy::webhook::WebhookSpec {
         use crate::policy::webhook::{
-            secret, Encoding, EventIdFrom, OutcomeSpec, Scheme, Verify, WebhookSpec,
+            secret, Correlate, CorrelateTo, Encoding, EventIdFrom, OutcomeSpec, Scheme, Verify,
+            WebhookSpec,
         };
         let event_id = match w.event_id {
             Some(RawEventId {
@@ -1446,21 +1447,21 @@ impl Validator {
         let mut correlate = Vec::new();
         for (i, c) in w.correlate.into_iter().enumerate() {
             let cp = format!("{path}.correlate[{i}]");
-            match c.to.as_deref() {
-                None | Some("execution_id") => {}
-                Some("external_id") => self.err(
-                    format!("{cp}.to"),
-                    "correlation by external_id is not supported by this version (use execution_id: the key the proxy injected downstream)",
-                ),
-                Some(other) => self.err(
-                    format!("{cp}.to"),
-                    format!("expected execution_id, found `{other}`"),
-                ),
-            }
+            let to = match c.to.as_deref() {
+                None | Some("execution_id") => CorrelateTo::ExecutionId,
+                Some("external_id") => CorrelateTo::ExternalId,
+                Some(other) => {
+                    self.err(
+                        format!("{cp}.to"),
+                        format!("expected execution_id | external_id, found `{other}`"),
+                    );
+                    CorrelateTo::ExecutionId
+                }
+            };
             match c.json {
                 Some(p) => {
                     self.pointer(&format!("{cp}.json"), &p);
-                    correlate.push(p);
+                    correlate.push(Correlate { json: p, to });
                 }
                 None => self.err(
                     format!("{cp}.json"),

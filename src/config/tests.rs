@@ -300,12 +300,12 @@ fn webhook_routes_fix_the_core_settings_and_refuse_unsafe_settling() {
     );
 
     let text = errors(
-        "upstreams:\n  - name: app\n    url: http://127.0.0.1:1\n    routes:\n      - name: a\n        match: { method: POST, path: /a }\n        class: webhook\n      - name: b\n        match: { method: POST, path: /b }\n        class: webhook\n        on_5xx: committed\n        webhook:\n          correlate: [{ json: /x, to: external_id }]\n          outcome: { succeeded: [ok] }\n      - name: c\n        match: { method: POST, path: /c }\n        class: webhook\n        webhook: { verify: { scheme: pgp, secret_env: S } }\n      - name: d\n        match: { method: POST, path: /d }\n        webhook: { event_id: { header: x } }\n",
+        "upstreams:\n  - name: app\n    url: http://127.0.0.1:1\n    routes:\n      - name: a\n        match: { method: POST, path: /a }\n        class: webhook\n      - name: b\n        match: { method: POST, path: /b }\n        class: webhook\n        on_5xx: committed\n        webhook:\n          correlate: [{ json: /x, to: external_id }, { json: /y, to: job }]\n          outcome: { succeeded: [ok] }\n      - name: c\n        match: { method: POST, path: /c }\n        class: webhook\n        webhook: { verify: { scheme: pgp, secret_env: S } }\n      - name: d\n        match: { method: POST, path: /d }\n        webhook: { event_id: { header: x } }\n",
     );
     for want in [
         "upstreams[0].routes[0].webhook: missing",
         "upstreams[0].routes[1].on_5xx: not configurable on a webhook route",
-        "upstreams[0].routes[1].webhook.correlate[0].to: correlation by external_id is not supported",
+        "upstreams[0].routes[1].webhook.correlate[1].to: expected execution_id | external_id, found `job`",
         "upstreams[0].routes[1].webhook.outcome: settling calls by event needs `verify`",
         "upstreams[0].routes[1].webhook.correlate: correlating events with calls needs `verify`",
         "upstreams[0].routes[2].webhook.verify.scheme: expected one of standard_webhooks | stripe | hmac_sha256, found `pgp`",

@@ -166,6 +166,24 @@ pub fn advance(from: JobState, to: JobState) -> Result<JobState, String> {
     }
 }
 
+/// End `job` (the one place a job's state is written after it started): `advance` decides
+/// whether it may move; the result, what ended it and when are kept with the move.
+pub fn end(
+    job: &mut crate::store::record::Job,
+    to: JobState,
+    result: serde_json::Value,
+    event: Option<String>,
+    by: EndedBy,
+    now_ms: i64,
+) -> Result<(), String> {
+    job.state = advance(job.state, to)?;
+    job.result = Some(result);
+    job.event = event;
+    job.ended_by = Some(by);
+    job.updated_at_ms = now_ms;
+    Ok(())
+}
+
 /// The job id in a committed answer's body (a string or a number at the pointer).
 pub fn job_id(spec: &JobSpec, body: &[u8]) -> Option<String> {
     let v: serde_json::Value = serde_json::from_slice(body).ok()?;

@@ -23,13 +23,30 @@ pub struct WebhookSpec {
     pub event_id: EventIdFrom,
     /// Checked before anything is stored or forwarded; `None`: deliveries are not verified.
     pub verify: Option<Verify>,
-    /// Pointers whose value names an earlier call's `execution_id`; the first that names a
-    /// stored record wins.
-    pub correlate: Vec<String>,
+    /// Pointers whose value names an earlier call (by its `execution_id` or its stored
+    /// `external_id`); the first that names a stored record wins.
+    pub correlate: Vec<Correlate>,
     /// What an event says about the correlated call.
     pub outcome: Option<OutcomeSpec>,
     /// Keep the event's JSON body on the correlated record (default: id, type, time only).
     pub store_body: bool,
+}
+
+/// One `correlate` entry: a pointer into the event and what its value names.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Correlate {
+    pub json: String,
+    pub to: CorrelateTo,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CorrelateTo {
+    /// The key the proxy injected downstream (Stripe echoes it as `request.idempotency_key`).
+    ExecutionId,
+    /// The record's stored `external_id` (the downstream's own id, or the job's id). When
+    /// several records hold the value the event is ambiguous for this pointer and names
+    /// none of them (see [`pick_external`]).
+    ExternalId,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -278,13 +295,83 @@ pub fn event_id(
     }
 }
 
-/// The values the `correlate` pointers find in the event, in the configured order.
-pub fn correlated<'a>(spec: &'a WebhookSpec, json: &'a serde_json::Value) -> Vec<&'a str> {
+/// The values the `correlate` pointers find in the event, in the configured order, with
+/// what each names. Numbers are taken as their digits (numeric downstream ids).
+pub fn correlated(spec: &WebhookSpec, json: &serde_json::Value) -> Vec<(String, CorrelateTo)> {
     spec.correlate
         .iter()
-        .filter_map(|p| json.pointer(p).and_then(|v| v.as_str()))
-        .filter(|v| !v.is_empty() && v.len() <= 255)
+        .filter_map(|c| {
+            let v = match json.pointer(&c.json)? {
+                serde_json::Value::String(s) => s.clone(),
+                serde_json::Value::Number(n) if c.to == CorrelateTo::ExternalId => n.to_string(),
+                _ => return None,
+            };
+            (!v.is_empty() && v.len() <= 255).then_some((v, c.to))
+        })
         .collect()
+}
+
+/// Of the records whose `external_id` is the event's value, the one the event names: the
+/// only one. Several records holding one external id (a downstream that returns the same
+/// object id from two calls, or two upstreams whose ids collide) make the value ambiguous:
+/// settling or ending a job on a guess could mark the wrong call, so none is named and the
+/// next `correlate` pointer is tried (the event is still forwarded and deduplicated).
+pub fn pick_external<T>(mut found: Vec<T>) -> Result<Option<T>, usize> {
+    match found.len() {
+        0 => Ok(None),
+        1 => Ok(found.pop()),
+        n => Err(n),
+    }
+}
+
+/// A record that would become `outcome_unknown` (`LoseOutcome` applied) and holds a
+/// `succeeded` event that arrived while it was executing is settled by that event at once
+/// (SPEC section 9.1): `SettleByWebhook`, through the one transition function, with the
+/// event's evidence as the stored answer. Returns whether it settled.
+pub fn settle_held(r: &mut crate::store::Record, now_ms: i64) -> bool {
+    use crate::policy::state::{Event, State};
+    if r.state() != State::OutcomeUnknown {
+        return false;
+    }
+    let Some((event_id, route, evidence)) = r
+        .events
+        .iter()
+        .find_map(|e| Some((e.id.clone(), e.route.clone(), e.held.clone()?)))
+    else {
+        return false;
+    };
+    let note = format!(
+        "settled by webhook event {event_id} on {route}, which arrived while the call was executing"
+    );
+    if r.apply(Event::SettleByWebhook, now_ms, Some(note)).is_err() {
+        return false;
+    }
+    r.response = Some(evidence_answer(&evidence, &event_id));
+    true
+}
+
+/// The stored answer of a call settled by an event: `200` JSON, the event's `data.object`
+/// (else the event) as `evidence`, marked `Idempotency-Reconciled: webhook` and naming the
+/// event.
+pub fn evidence_answer(
+    evidence: &serde_json::Value,
+    event_id: &str,
+) -> crate::store::StoredResponse {
+    crate::store::StoredResponse {
+        status: 200,
+        headers: vec![
+            ("content-type".into(), b"application/json".to_vec()),
+            (
+                crate::wire::headers::RECONCILED.as_str().into(),
+                b"webhook".to_vec(),
+            ),
+            (
+                "idempotency-webhook-event".into(),
+                event_id.as_bytes().to_vec(),
+            ),
+        ],
+        body: serde_json::to_vec(evidence).expect("a JSON value serializes"),
+    }
 }
 
 /// The event's type and what it says about the correlated call.
@@ -471,8 +558,18 @@ mod tests {
             event_id: EventIdFrom::Json("/id".into()),
             verify: None,
             correlate: vec![
-                "/data/object/metadata/execution_id".into(),
-                "/request/idempotency_key".into(),
+                Correlate {
+                    json: "/data/object/metadata/execution_id".into(),
+                    to: CorrelateTo::ExecutionId,
+                },
+                Correlate {
+                    json: "/request/idempotency_key".into(),
+                    to: CorrelateTo::ExecutionId,
+                },
+                Correlate {
+                    json: "/data/object/amount".into(),
+                    to: CorrelateTo::ExternalId,
+                },
             ],
             outcome: Some(OutcomeSpec {
                 status: "/type".into(),
@@ -491,7 +588,16 @@ mod tests {
             Ok("evt_1".into())
         );
         assert!(event_id(&spec.event_id, &HeaderMap::new(), None).is_err());
-        assert_eq!(correlated(&spec, &ev), vec!["exec_abc"]);
+        assert_eq!(
+            correlated(&spec, &ev),
+            vec![
+                ("exec_abc".to_string(), CorrelateTo::ExecutionId),
+                ("100".to_string(), CorrelateTo::ExternalId)
+            ]
+        );
+        assert_eq!(pick_external(Vec::<u8>::new()), Ok(None));
+        assert_eq!(pick_external(vec![1]), Ok(Some(1)));
+        assert_eq!(pick_external(vec![1, 2]), Err(2));
         assert_eq!(
             verdict(&spec, &ev),
             (Some("payment_intent.succeeded".into()), Verdict::Succeeded)

@@ -42,6 +42,9 @@ async fn write_until_stored(store: Arc<dyn Store>, mut record: Record) {
                 return;
             }
             Err(StoreError::Conflict { .. }) => match store.get(&id).await {
+                Ok(Some(current)) if rebase_on_events(&mut record, &current) => {
+                    crate::policy::webhook::settle_held(&mut record, now_ms());
+                }
                 Ok(Some(current)) => match resolve_with(current, &record) {
                     Some(next) => record = next,
                     None => return,
@@ -59,6 +62,25 @@ async fn write_until_stored(store: Arc<dyn Store>, mut record: Record) {
             Err(e) => tracing::debug!(execution_id = %id, error = %e, tries, "store still failing"),
         }
     }
+}
+
+/// `ours` (this attempt's outcome, applied to the copy it read) lost its compare-and-set to
+/// `current`: if `current` is the same attempt still `executing` (same attempt count; no
+/// takeover, which leaves `executing`, and no re-send, which counts an attempt), the only
+/// writer that can have moved it is a webhook event joining its history
+/// (`proxy::webhook`). Then `ours` takes those events and `current`'s version, and may be
+/// written again. Returns whether it was rebased.
+pub(super) fn rebase_on_events(ours: &mut Record, current: &Record) -> bool {
+    if current.state() != State::Executing
+        || current.attempts != ours.attempts
+        || current.version <= ours.version
+        || current.events.len() <= ours.events.len()
+    {
+        return false;
+    }
+    ours.events = current.events.clone();
+    ours.version = current.version;
+    true
 }
 
 /// The version moved: what to write instead, if anything. Our own write may have taken

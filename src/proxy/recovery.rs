@@ -30,6 +30,10 @@ pub async fn recover_stale(store: &dyn Store, before_ms: i64) -> Result<usize, S
             if r.apply(Event::LoseOutcome, now_ms(), Some(note)).is_err() {
                 continue;
             }
+            // A `succeeded` webhook event held while it executed settles it instead.
+            if crate::policy::webhook::settle_held(&mut r, now_ms()) {
+                tracing::info!(execution_id = %r.id, "stale executing record settled by a webhook event held while it executed");
+            }
             match store.update(r).await {
                 Ok(r) => {
                     moved += 1;

@@ -1303,6 +1303,9 @@ impl Call<'_> {
     }
 
     /// Write `record` after applying `event`; on a fencing conflict, return what is stored now.
+    /// A webhook event that joined the record while this attempt executed (the only other
+    /// writer of an executing record, see `proxy::webhook`) is taken along, and a
+    /// `succeeded` one held there settles the call instead of leaving it `outcome_unknown`.
     async fn transition(
         &self,
         mut record: Record,
@@ -1312,7 +1315,22 @@ impl Call<'_> {
         if let Err(e) = record.apply(event, now_ms(), note) {
             return Err(StoreError::Backend(e.to_string()));
         }
-        let stored = match self.proxy.store.update(record.clone()).await {
+        let mut settled = crate::policy::webhook::settle_held(&mut record, now_ms());
+        let mut update = self.proxy.store.update(record.clone()).await;
+        for _ in 0..3 {
+            let Err(StoreError::Conflict { .. }) = &update else {
+                break;
+            };
+            let Ok(Some(current)) = self.proxy.store.get(&self.id).await else {
+                break;
+            };
+            if !super::pending::rebase_on_events(&mut record, &current) {
+                break;
+            }
+            settled |= crate::policy::webhook::settle_held(&mut record, now_ms());
+            update = self.proxy.store.update(record.clone()).await;
+        }
+        let stored = match update {
             Ok(stored) => stored,
             Err(e @ StoreError::Backend(_)) => {
                 // Never leave the record `executing` under our live lease (issue 34).
@@ -1321,6 +1339,13 @@ impl Call<'_> {
             }
             Err(e) => return Err(e),
         };
+        if settled {
+            tracing::info!(execution_id = %self.id, "outcome unknown: settled as committed by a webhook event held while executing");
+            let labels = self.labels();
+            self.proxy
+                .metrics
+                .reconciled(&labels.upstream, &labels.route, "webhook");
+        }
         if stored.state() == State::OutcomeUnknown {
             self.metrics()
                 .outcome_unknown
@@ -1340,6 +1365,13 @@ impl Call<'_> {
         match self.transition(record, Event::Commit, None).await {
             Ok(r) => {
                 failpoint::hit("after_local_commit").await;
+                if r.job.is_some() {
+                    self.proxy.metrics.job(
+                        &r.upstream,
+                        &r.route,
+                        crate::policy::job::JobState::Running,
+                    );
+                }
                 self.respond(&r, false)
             }
             Err(StoreError::Conflict { .. }) => self.commit_after_takeover(stored).await,

@@ -10,7 +10,6 @@
 
 use std::sync::Arc;
 
-use bytes::Bytes;
 use http::{Request, StatusCode};
 
 use super::side_effect::{self, Admit, Admitted};
@@ -18,13 +17,12 @@ use super::{Proxy, Runtime};
 use crate::policy::classify::Target;
 use crate::policy::fingerprint::{raw_digest, CallScope, RequestParts};
 use crate::policy::identity::{self, ExecutionId};
-use crate::policy::job::JobState;
+use crate::policy::job::{self, EndedBy, JobState};
 use crate::policy::state::{Event, State};
-use crate::policy::webhook::{self, Verdict, WebhookSpec};
+use crate::policy::webhook::{self, CorrelateTo, Verdict, WebhookSpec};
 use crate::store::record::WebhookEvent;
-use crate::store::{now_ms, StoreError, StoredResponse};
+use crate::store::{now_ms, ListFilter, StoreError};
 use crate::wire::body::RequestBody;
-use crate::wire::headers::RECONCILED;
 use crate::wire::problem::{Kind, Problem};
 
 /// Admit a delivery to a `class: webhook` route: verify, identify, correlate. What it
@@ -96,20 +94,7 @@ pub async fn admit(
     };
     if let Some(json) = &json {
         if !spec.correlate.is_empty() {
-            if let Folded::Executing(named) = correlate(proxy, target, spec, &event_id, json).await
-            {
-                // Not recorded, not forwarded: the provider redelivers, and by then the
-                // call has an outcome of its own (or an unknown one this event settles).
-                return Admit::Respond(
-                    Problem::new(
-                        Kind::InFlight,
-                        "the event names a call that is still executing; nothing was recorded or forwarded, redeliver it to have it applied",
-                    )
-                    .execution(&named)
-                    .header(http::header::RETRY_AFTER, http::HeaderValue::from_static("1"))
-                    .into_response(),
-                );
-            }
+            correlate(proxy, target, spec, &event_id, json).await;
         }
     }
     // Providers carry no tenant credential: the event id is scoped by upstream and route.
@@ -160,52 +145,71 @@ pub fn count(
     proxy.metrics.webhook(upstream, route, result);
 }
 
-/// What folding an event into the call it names came to.
-enum Folded {
-    /// Recorded, already there, not correlated, or not writable (logged): go on.
-    Done,
-    /// The named call is still `executing`: its attempt owns the record (a write here
-    /// would fence it out), so the delivery is refused for the provider to redeliver.
-    Executing(ExecutionId),
-}
-
-/// Fold a verified event into the call it names: the first `correlate` pointer whose value
-/// is a stored execution wins. The event joins that record's `events` (once per event id
-/// and route); a `succeeded` event settles an `outcome_unknown` record as `committed`
-/// (`SettleByWebhook`, the event as evidence).
+/// Fold a verified event into the call it names: the first `correlate` value that names a
+/// stored record (by execution id, or as the only record holding that external id) wins.
+/// The event joins that record's `events` (once per event id and route); a `succeeded`
+/// event settles an `outcome_unknown` record as `committed` (`SettleByWebhook`, the event as
+/// evidence) and is held on an `executing` one to settle it if it would become
+/// `outcome_unknown` (`policy::webhook::settle_held`); a job the call started ends. Trouble
+/// is logged: the delivery is forwarded and deduplicated whatever the correlation did.
 async fn correlate(
     proxy: &Proxy,
     target: &Target<'_>,
     spec: &WebhookSpec,
     event_id: &str,
     json: &serde_json::Value,
-) -> Folded {
+) {
     let (upstream, route) = (&target.upstream.name, &target.route.name);
     let label = format!("{upstream}/{route}");
     let (kind, verdict) = webhook::verdict(spec, json);
-    for candidate in webhook::correlated(spec, json) {
-        let id = ExecutionId(candidate.to_string());
-        // A few tries: another writer (a retry's `deliver`) may move the record meanwhile.
+    for (value, to) in webhook::correlated(spec, json) {
+        let id = match to {
+            CorrelateTo::ExecutionId => ExecutionId(value.clone()),
+            CorrelateTo::ExternalId => {
+                let found = proxy
+                    .store
+                    .list(&ListFilter {
+                        external_id: Some(value.clone()),
+                        limit: 2,
+                        ..ListFilter::default()
+                    })
+                    .await;
+                match found.map(webhook::pick_external) {
+                    Ok(Ok(Some(r))) => r.id,
+                    Ok(Ok(None)) => continue,
+                    Ok(Err(n)) => {
+                        tracing::warn!(event_id, external_id = %value, records = n, "webhook correlation: several calls hold this external id; the event names none of them by it");
+                        continue;
+                    }
+                    Err(e) => {
+                        tracing::warn!(event_id, external_id = %value, error = %e, "webhook correlation: could not look up the external id");
+                        return;
+                    }
+                }
+            }
+        };
+        // A few tries: another writer (a retry's `deliver`, the call's own attempt) may
+        // move the record meanwhile.
         for _ in 0..5 {
             let mut r = match proxy.store.get(&id).await {
                 Ok(Some(r)) => r,
                 Ok(None) => break,
                 Err(e) => {
                     tracing::warn!(event_id, execution_id = %id, error = %e, "webhook correlation: could not read the record");
-                    return Folded::Done;
+                    return;
                 }
             };
             if r.events
                 .iter()
                 .any(|e| e.id == event_id && e.route == label)
             {
-                return Folded::Done;
-            }
-            if r.state() == State::Executing {
-                tracing::info!(event_id, execution_id = %id, "webhook event names a call still executing; the delivery is refused for a redelivery");
-                return Folded::Executing(id);
+                return;
             }
             let now = now_ms();
+            // While the call executes its attempt owns the record: the event only joins
+            // its history (the attempt's own write takes the events along, see
+            // `side_effect`), and a `succeeded` one is held as evidence.
+            let executing = r.state() == State::Executing;
             r.events.push(WebhookEvent {
                 id: event_id.to_string(),
                 route: label.clone(),
@@ -218,21 +222,26 @@ async fn correlate(
                 }
                 .into(),
                 body: spec.store_body.then(|| json.clone()),
-                held: None,
+                held: (executing && verdict == Verdict::Succeeded)
+                    .then(|| webhook::evidence_value(json)),
             });
             let ended = match verdict {
                 Verdict::Succeeded => Some(JobState::Succeeded),
                 Verdict::Failed => Some(JobState::Failed),
                 Verdict::Other => None,
             };
+            let mut job_ended = None;
             if let (Some(job), Some(to)) = (r.job.as_mut(), ended) {
-                match crate::policy::job::advance(job.state, to) {
-                    Ok(state) => {
-                        job.state = state;
-                        job.result = Some(webhook::evidence_value(json));
-                        job.event = Some(event_id.to_string());
-                        job.updated_at_ms = now;
-                    }
+                let result = webhook::evidence_value(json);
+                match job::end(
+                    job,
+                    to,
+                    result,
+                    Some(event_id.to_string()),
+                    EndedBy::Webhook,
+                    now,
+                ) {
+                    Ok(()) => job_ended = Some(to),
                     Err(why) => {
                         tracing::info!(event_id, execution_id = %id, reason = %why, "webhook event does not move the job")
                     }
@@ -240,52 +249,43 @@ async fn correlate(
             }
             let settles = verdict == Verdict::Succeeded && r.state() == State::OutcomeUnknown;
             if settles {
-                r.response = Some(evidence(json, event_id));
+                r.response = Some(webhook::evidence_answer(
+                    &webhook::evidence_value(json),
+                    event_id,
+                ));
                 let note = format!(
                     "settled by webhook event {event_id} ({}) on {label}",
                     kind.as_deref().unwrap_or("no type")
                 );
                 if let Err(e) = r.apply(Event::SettleByWebhook, now, Some(note)) {
                     tracing::error!(execution_id = %id, error = %e, "webhook settle refused");
-                    return Folded::Done;
+                    return;
                 }
             }
             match proxy.store.update(r).await {
-                Ok(_) => {
+                Ok(r) => {
                     proxy.metrics.webhook(upstream, route, "correlated");
+                    if let Some(to) = job_ended {
+                        proxy.metrics.job(&r.upstream, &r.route, to);
+                        tracing::info!(event_id, execution_id = %id, state = to.as_str(), "job ended by a webhook event");
+                    }
                     if settles {
                         tracing::info!(event_id, execution_id = %id, "outcome unknown: settled as committed by a webhook event");
-                        proxy.metrics.reconciled(upstream, route, "webhook");
+                        proxy.metrics.reconciled(&r.upstream, &r.route, "webhook");
+                    } else if executing {
+                        tracing::info!(event_id, execution_id = %id, "webhook event joined a call still executing; held until the call has an outcome");
                     } else {
                         tracing::info!(event_id, execution_id = %id, "webhook event joined the call's history");
                     }
-                    return Folded::Done;
+                    return;
                 }
                 Err(StoreError::Conflict { .. }) => continue,
                 Err(e) => {
                     tracing::warn!(event_id, execution_id = %id, error = %e, "webhook correlation: could not write the record");
-                    return Folded::Done;
+                    return;
                 }
             }
         }
     }
     proxy.metrics.webhook(upstream, route, "uncorrelated");
-    Folded::Done
-}
-
-/// The stored answer of a call settled by an event: `200` JSON, the event's `data.object`
-/// (else the event), marked `Idempotency-Reconciled: webhook` and naming the event.
-fn evidence(json: &serde_json::Value, event_id: &str) -> StoredResponse {
-    StoredResponse {
-        status: 200,
-        headers: vec![
-            ("content-type".into(), b"application/json".to_vec()),
-            (RECONCILED.as_str().into(), b"webhook".to_vec()),
-            (
-                "idempotency-webhook-event".into(),
-                event_id.as_bytes().to_vec(),
-            ),
-        ],
-        body: Bytes::from(webhook::evidence_body(json)).to_vec(),
-    }
 }
