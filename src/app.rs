@@ -179,6 +179,8 @@ pub async fn start(cfg: Config, store: Arc<dyn Store>) -> anyhow::Result<Running
     // First pass right away: what a crashed predecessor left unknown is looked up now,
     // not when its client happens to retry.
     let reconciler = crate::proxy::reconcile::spawn(proxy.clone(), reconcile_every);
+    // Running jobs of routes with `job.status.every` are polled (idle when none does).
+    let job_poller = crate::proxy::jobs::spawn_poller(proxy.clone());
     // Calls waiting for a person are announced (admin.notify); the store is the outbox.
     let notifier = notify
         .map(|(n, secret, client)| crate::admin::notify::spawn(n, secret, store.clone(), client));
@@ -201,6 +203,7 @@ pub async fn start(cfg: Config, store: Arc<dyn Store>) -> anyhow::Result<Running
         keeper.abort();
         gc.abort();
         reconciler.abort();
+        job_poller.abort();
         if let Some(n) = notifier {
             n.abort();
         }

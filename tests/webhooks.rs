@@ -30,6 +30,25 @@ upstreams:
       - {{ name: charge, match: {{ method: POST, path: /drop-after-commit/send }} }}
       - {{ name: slow_charge, match: {{ method: POST, path: /timeout-after-commit/send }}, timeout: 1s }}
       - {{ name: start_job, match: {{ method: POST, path: /send }}, job: {{ id: /id }} }}
+  - name: obs
+    url: {ds}
+    mount: /obs
+    routes:
+      - name: start
+        match: {{ method: POST, path: /send }}
+        job:
+          id: /id
+          status: {{ method: GET, path: "/jobs/{{job_id}}", state: /status, succeeded: [succeeded, done], failed: [failed] }}
+      - {{ name: job_status, match: {{ method: GET, path: "/jobs/{{id}}" }} }}
+  - name: polled
+    url: {ds}
+    mount: /polled
+    routes:
+      - name: start
+        match: {{ method: POST, path: /send }}
+        job:
+          id: /id
+          status: {{ path: "/jobs/{{job_id}}", succeeded: [succeeded], failed: [failed], every: 200ms }}
   - name: std
     url: {ds}
     mount: /std
@@ -648,4 +667,131 @@ async fn an_event_correlated_by_external_id_ends_the_job_it_names() {
     ] {
         assert!(text.contains(line), "missing {line} in\n{text}");
     }
+}
+
+/// The job of `exec` as `GET /v1/executions/{exec}` shows it.
+async fn job_of(c: &TestClient, proxy: &ProxyProc, exec: &str) -> serde_json::Value {
+    let auth = format!("Bearer {ADMIN_TOKEN}");
+    let r = send(
+        c,
+        http::Method::GET,
+        &proxy.admin_url(&format!("/v1/executions/{exec}")),
+        &[("authorization", &auth)],
+        "",
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK, "{r:?}");
+    r.json()["job"].clone()
+}
+
+async fn metrics_text(c: &TestClient, proxy: &ProxyProc) -> String {
+    let auth = format!("Bearer {ADMIN_TOKEN}");
+    let m = send(
+        c,
+        http::Method::GET,
+        &proxy.admin_url("/metrics"),
+        &[("authorization", &auth)],
+        "",
+    )
+    .await;
+    String::from_utf8_lossy(&m.body).into_owned()
+}
+
+#[tokio::test]
+async fn a_job_is_completed_by_the_agents_own_status_poll_observed_on_its_way_back() {
+    let env = Env::new().await;
+    let proxy = env.start();
+    let c = client();
+    let start = proxy.url("/obs/send");
+    let key = [("Idempotency-Key", "export-1")];
+    let first = post(&c, &start, &key, r#"{"export":"all"}"#).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let exec = first
+        .header("idempotency-execution-id")
+        .expect("id")
+        .to_string();
+    let job_id = first.json()["id"].as_str().expect("job id").to_string();
+    let status_url = proxy.url(&format!("/obs/jobs/{job_id}"));
+    // The first poll says running: passed through, the job stays running.
+    let r = get(&c, &status_url).await;
+    assert_eq!(r.status, StatusCode::OK, "{r:?}");
+    assert_eq!(r.json()["status"], "running");
+    assert_eq!(job_of(&c, &proxy, &exec).await["state"], "running");
+    // Another route's GET that is no status poll passes through untouched.
+    let r = get(&c, &proxy.url("/obs/messages/none")).await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    // The second says succeeded: the agent gets the upstream's answer unchanged, and the
+    // job ends with it as its result.
+    let r = get(&c, &status_url).await;
+    assert_eq!(r.status, StatusCode::OK, "{r:?}");
+    assert_eq!(r.json()["status"], "succeeded");
+    assert_eq!(r.json()["output"], format!("{job_id}.csv"));
+    let job = job_of(&c, &proxy, &exec).await;
+    assert_eq!(job["state"], "succeeded", "{job}");
+    assert_eq!(job["ended_by"], "observed_poll");
+    assert_eq!(job["result"]["output"], format!("{job_id}.csv"));
+    assert_eq!(
+        env.ds.hits_on(&format!("/jobs/{job_id}")),
+        2,
+        "observed, never re-sent"
+    );
+    // A retry of the starting call replays the 202-style answer: no second job.
+    let again = post(&c, &start, &key, r#"{"export":"all"}"#).await;
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(again.body, first.body);
+    assert_eq!(env.ds.commits_for(&exec), 1);
+    let text = metrics_text(&c, &proxy).await;
+    for line in [
+        r#"idemproxy_jobs_total{upstream="obs",route="start",state="running"} 1"#,
+        r#"idemproxy_jobs_total{upstream="obs",route="start",state="succeeded"} 1"#,
+    ] {
+        assert!(text.contains(line), "missing {line} in\n{text}");
+    }
+}
+
+#[tokio::test]
+async fn a_job_is_completed_by_the_proxys_own_polling() {
+    let env = Env::new().await;
+    let proxy = env.start();
+    let c = client();
+    let start = proxy.url("/polled/send");
+    let key = [("Idempotency-Key", "export-2")];
+    let first = post(&c, &start, &key, "{}").await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let exec = first
+        .header("idempotency-execution-id")
+        .expect("id")
+        .to_string();
+    let job_id = first.json()["id"].as_str().expect("job id").to_string();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let job = loop {
+        let job = job_of(&c, &proxy, &exec).await;
+        if job["state"] != "running" {
+            break job;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the job was never polled to its end"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    assert_eq!(job["state"], "succeeded", "{job}");
+    assert_eq!(job["ended_by"], "poll");
+    assert_eq!(job["result"]["output"], format!("{job_id}.csv"));
+    let status_path = format!("/jobs/{job_id}");
+    assert_eq!(env.ds.hits_on(&status_path), 2, "running, then succeeded");
+    // An ended job is not polled again; the start call was never re-sent.
+    tokio::time::sleep(std::time::Duration::from_millis(700)).await;
+    assert_eq!(env.ds.hits_on(&status_path), 2);
+    assert_eq!(env.ds.hits_on("/send"), 1);
+    let again = post(&c, &start, &key, "{}").await;
+    assert_eq!(again.status, StatusCode::CREATED);
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(again.body, first.body);
+    assert_eq!(env.ds.hits_on("/send"), 1);
+    assert!(jobs(&c, &proxy, "running").await.is_empty());
+}
+
+async fn get(c: &TestClient, url: &str) -> Resp {
+    send(c, http::Method::GET, url, &[], "").await
 }

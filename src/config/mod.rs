@@ -366,6 +366,10 @@ pub struct Route {
     pub webhook: Option<std::sync::Arc<crate::policy::webhook::WebhookSpec>>,
     /// `job:` (side-effect routes): the job id pointer into the committed answer.
     pub job: Option<crate::policy::job::JobSpec>,
+    /// Read-only routes only: the `job.status` endpoints of this upstream's side-effect
+    /// routes whose polls this route carries (fixed when the config is resolved), so a
+    /// pass-through tests one field to know it observes nothing.
+    pub observes: Option<std::sync::Arc<crate::policy::job::JobWatch>>,
 }
 
 #[derive(Debug, Clone)]
@@ -539,7 +543,11 @@ impl Config {
                 if r.class != Class::ReadOnly {
                     details.push(format!("tool={}:{}", r.name, r.tool_version));
                     side_effect_details(&mut details, r);
-                } else if r.retry.attempts > 1 {
+                } else if let Some(w) = &r.observes {
+                    let names: Vec<&str> = w.watchers.iter().map(|w| w.route.as_str()).collect();
+                    details.push(format!("observes_jobs_of={}", names.join(",")));
+                }
+                if r.class == Class::ReadOnly && r.retry.attempts > 1 {
                     details.push(format!(
                         "retry={}x{}ms",
                         r.retry.attempts,
@@ -593,6 +601,20 @@ fn side_effect_details(details: &mut Vec<String>, r: &Route) {
     }
     if r.approval.as_ref().is_some_and(|a| a.required) {
         details.push("approval".into());
+    }
+    if let Some(j) = &r.job {
+        details.push(format!("job={}", j.id));
+        if let Some(st) = &j.status {
+            details.push(match st.every {
+                Some(every) => format!(
+                    "job_status={} {} every {}",
+                    st.method,
+                    st.path,
+                    humantime::format_duration(every)
+                ),
+                None => format!("job_status={} {} (observed)", st.method, st.path),
+            });
+        }
     }
     details.push(format!(
         "retention={}",

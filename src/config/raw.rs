@@ -153,8 +153,21 @@ pub struct RawRoute {
 #[serde(deny_unknown_fields)]
 pub struct RawJob {
     pub id: Option<String>,
-    /// Status polls (observed or proactive): refused by this version.
-    pub status: Option<serde_yaml_ng::Value>,
+    pub status: Option<RawJobStatus>,
+}
+
+/// `job.status`: how the job's state is read (observed polls, proactive polling).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawJobStatus {
+    pub method: Option<String>,
+    pub path: Option<String>,
+    pub state: Option<String>,
+    #[serde(default)]
+    pub succeeded: Vec<String>,
+    #[serde(default)]
+    pub failed: Vec<String>,
+    pub every: Option<String>,
 }
 
 /// `webhook:` on a `class: webhook` route (SPEC section 9.1).

@@ -10,7 +10,7 @@ use http::{HeaderName, Method};
 
 use super::raw::*;
 use super::*;
-use crate::policy::classify::RouteTable;
+use crate::policy::classify::{Classified, RouteRef, RouteTable};
 use crate::policy::fingerprint::{validate_pointer, FingerprintSpec};
 
 /// Parse and validate YAML text; `file` is only used in messages.
@@ -486,6 +486,7 @@ impl Validator {
                 return None;
             }
         };
+        self.job_observers(&mut upstreams, &routes, unmatched);
         Some(Config {
             source: file.to_path_buf(),
             listen,
@@ -784,6 +785,7 @@ impl Validator {
             external_id: Some("/id".into()),
             webhook: None,
             job: None,
+            observes: None,
         };
         let mcp = match u.protocol.as_deref() {
             None | Some("http") => {
@@ -1164,19 +1166,19 @@ impl Validator {
         }
         let job = r.job.and_then(|j| {
             if class != Class::SideEffect {
-                self.err(format!("{path}.job"), "only meaningful on side_effect routes");
+                self.err(
+                    format!("{path}.job"),
+                    "only meaningful on side_effect routes",
+                );
                 return None;
             }
-            if j.status.is_some() {
-                self.err(
-                    format!("{path}.job.status"),
-                    "status polls are not supported by this version; a job's state is set by a correlated webhook event",
-                );
-            }
+            let status = j
+                .status
+                .and_then(|st| self.job_status(&format!("{path}.job.status"), st));
             match j.id {
                 Some(p) => {
                     self.pointer(&format!("{path}.job.id"), &p);
-                    Some(crate::policy::job::JobSpec { id: p, status: None })
+                    Some(crate::policy::job::JobSpec { id: p, status })
                 }
                 None => {
                     self.err(format!("{path}.job.id"), "missing (e.g. /job_id)");
@@ -1331,7 +1333,155 @@ impl Validator {
             timeout,
             webhook,
             job,
+            observes: None,
         })
+    }
+
+    /// `job.status` (SPEC section 9.2): the upstream's read-only status endpoint of a job.
+    fn job_status(
+        &mut self,
+        path: &str,
+        st: crate::config::raw::RawJobStatus,
+    ) -> Option<crate::policy::job::StatusSpec> {
+        use crate::policy::job::{StatusSpec, JOB_ID_PARAM};
+        let method = match st.method.as_deref() {
+            None | Some("GET") => Method::GET,
+            Some(other) => {
+                self.err(
+                    format!("{path}.method"),
+                    format!("expected GET (a status poll is read-only), found `{other}`"),
+                );
+                Method::GET
+            }
+        };
+        let template = match st.path {
+            Some(p) if p.starts_with('/') && !p.contains('?') => {
+                if !p.contains(&format!("{{{JOB_ID_PARAM}}}")) {
+                    self.err(
+                        format!("{path}.path"),
+                        format!(
+                            "`{p}` does not name the job: put {{{JOB_ID_PARAM}}} where its id goes"
+                        ),
+                    );
+                    return None;
+                }
+                if let Some(twice) = repeated_param(&p) {
+                    self.err(
+                        format!("{path}.path"),
+                        format!(
+                            "the path template `{p}` names the parameter `{twice}` more than once"
+                        ),
+                    );
+                    return None;
+                }
+                p
+            }
+            Some(p) => {
+                self.err(
+                    format!("{path}.path"),
+                    format!("expected a path template starting with / (no query), found `{p}`"),
+                );
+                return None;
+            }
+            None => {
+                self.err(format!("{path}.path"), "missing (e.g. /jobs/{job_id})");
+                return None;
+            }
+        };
+        let state = st.state.unwrap_or_else(|| "/status".into());
+        self.pointer(&format!("{path}.state"), &state);
+        if st.succeeded.is_empty() && st.failed.is_empty() {
+            self.err(
+                format!("{path}.succeeded"),
+                "name the states that end the job in `succeeded` and/or `failed`",
+            );
+        }
+        let every = st.every.as_deref().map(|e| {
+            let d = self.duration(&format!("{path}.every"), Some(e), Duration::from_secs(5));
+            if d < Duration::from_millis(100) {
+                self.err(format!("{path}.every"), "at least 100ms");
+            }
+            d
+        });
+        Some(StatusSpec {
+            method,
+            path: template,
+            state,
+            succeeded: st.succeeded,
+            failed: st.failed,
+            every,
+        })
+    }
+
+    /// Which read-only route carries each `job.status` endpoint (SPEC section 9.2): the
+    /// route a poll of it is classified to. That route gets a [`JobWatch`] so its requests
+    /// are observed; every other route's `observes` stays `None`. A status endpoint the
+    /// table classifies as a side effect is refused (the poll would be recorded, not
+    /// observed); one no route takes (`unmatched: reject`) is polled only by the proxy.
+    fn job_observers(
+        &mut self,
+        upstreams: &mut [Upstream],
+        table: &RouteTable,
+        unmatched: Unmatched,
+    ) {
+        use crate::policy::job::{JobWatch, Watcher};
+        for ui in 0..upstreams.len() {
+            let mut by_route: Vec<(RouteRef, Vec<Watcher>)> = Vec::new();
+            for (ri, r) in upstreams[ui].routes.iter().enumerate() {
+                let Some(status) = r.job.as_ref().and_then(|j| j.status.as_ref()) else {
+                    continue;
+                };
+                let up = &upstreams[ui];
+                // A path the template matches: every parameter one plain segment.
+                let sample = sample_path(&status.path);
+                let full = format!("{}{}", up.mount, sample);
+                let spath = format!("upstreams[{ui}].routes[{ri}].job.status.path");
+                match table.classify(upstreams, unmatched, &status.method, &full) {
+                    Classified::Matched(t) if t.upstream_index == ui => {
+                        if t.route.class != Class::ReadOnly {
+                            self.err(
+                                spath,
+                                format!(
+                                    "{} {} is classified as the {} route `{}`: the agent's status polls would run as side effects; declare a read-only route for it",
+                                    status.method, status.path,
+                                    if t.route.class == Class::Webhook { "webhook" } else { "side_effect" },
+                                    t.route.name
+                                ),
+                            );
+                            continue;
+                        }
+                        let w = Watcher {
+                            route: r.name.clone(),
+                            status: status.clone(),
+                        };
+                        match by_route.iter_mut().find(|(rr, _)| *rr == t.route_ref) {
+                            Some((_, v)) => v.push(w),
+                            None => by_route.push((t.route_ref, vec![w])),
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            for (rr, watchers) in by_route {
+                let watch = match JobWatch::new(watchers) {
+                    Ok(w) => std::sync::Arc::new(w),
+                    Err(e) => {
+                        self.err(
+                            format!("upstreams[{ui}].routes"),
+                            format!("job.status paths: {e}"),
+                        );
+                        continue;
+                    }
+                };
+                let up = &mut upstreams[ui];
+                let route = match rr {
+                    RouteRef::Declared(i) => &mut up.routes[i],
+                    RouteRef::FallbackReadOnly => &mut up.fallback_read_only,
+                    RouteRef::FallbackSideEffect => &mut up.fallback_side_effect,
+                };
+                route.observes = Some(watch);
+            }
+        }
     }
 
     /// A webhook route's `webhook:` block (SPEC section 9.1). The secret is read from the
@@ -1597,6 +1747,22 @@ fn cut_values(message: &str) -> String {
 }
 
 /// The first parameter a path template names twice (`/a/{id}/{id}`), if any.
+/// A path `template` matches, each parameter a plain segment (to classify a template as
+/// its requests would be).
+fn sample_path(template: &str) -> String {
+    template
+        .split('/')
+        .map(|seg| {
+            if seg.starts_with('{') && seg.ends_with('}') {
+                "x"
+            } else {
+                seg
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("/")
+}
+
 fn repeated_param(template: &str) -> Option<String> {
     let mut seen = std::collections::HashSet::new();
     for segment in template.split('/') {

@@ -314,3 +314,43 @@ fn webhook_routes_fix_the_core_settings_and_refuse_unsafe_settling() {
         assert!(text.contains(want), "missing `{want}` in\n{text}");
     }
 }
+
+#[test]
+fn job_status_endpoints_are_observed_by_the_read_only_route_that_carries_them() {
+    let yaml = "upstreams:\n  - name: app\n    url: http://127.0.0.1:1\n    routes:\n      - name: start\n        match: { method: POST, path: /exports }\n        job: { id: /id, status: { path: \"/exports/{job_id}\", succeeded: [done], every: 2s } }\n      - { name: show, match: { method: GET, path: \"/exports/{id}\" } }\n      - name: run\n        match: { method: POST, path: /runs }\n        job: { id: /id, status: { path: \"/runs/{job_id}/state\", failed: [failed] } }\n      - { name: other, match: { method: GET, path: /health } }\n";
+    let cfg = from_yaml(yaml, Path::new("cfg.yaml")).expect("valid");
+    let up = &cfg.upstreams[0];
+    let status = up.routes[0]
+        .job
+        .as_ref()
+        .and_then(|j| j.status.as_ref())
+        .expect("status");
+    assert_eq!(status.every, Some(Duration::from_secs(2)));
+    assert_eq!(status.state, "/status");
+    // The declared GET route carries the first; the unmatched read-only fallback the second.
+    let watch = up.routes[1].observes.as_ref().expect("observed");
+    let (job, ws) = watch
+        .matching(&Method::GET, "/exports/j%201")
+        .expect("a status poll");
+    assert_eq!((job.as_str(), ws[0].route.as_str()), ("j 1", "start"));
+    assert!(watch.matching(&Method::HEAD, "/exports/j1").is_none());
+    let fallback = up.fallback_read_only.observes.as_ref().expect("observed");
+    assert!(fallback.matching(&Method::GET, "/runs/r1/state").is_some());
+    assert!(fallback.matching(&Method::GET, "/other").is_none());
+    for r in [&up.routes[0], &up.routes[2], &up.routes[3]] {
+        assert!(r.observes.is_none(), "{}", r.name);
+    }
+
+    let text = errors(
+        "upstreams:\n  - name: app\n    url: http://127.0.0.1:1\n    routes:\n      - name: a\n        match: { method: POST, path: /a }\n        job: { id: /id, status: { path: /jobs, succeeded: [ok] } }\n      - name: b\n        match: { method: POST, path: /b }\n        job: { id: /id, status: { method: DELETE, path: \"/b/{job_id}\", every: 1ms } }\n      - name: c\n        match: { method: POST, path: /c }\n        job: { id: /id, status: { path: \"/c/{job_id}\", succeeded: [ok] } }\n      - { name: c_poll, match: { path: \"/c/{x}\" }, class: side_effect }\n",
+    );
+    for want in [
+        "upstreams[0].routes[0].job.status.path: `/jobs` does not name the job",
+        "upstreams[0].routes[1].job.status.method: expected GET",
+        "upstreams[0].routes[1].job.status.succeeded: name the states",
+        "upstreams[0].routes[1].job.status.every: at least 100ms",
+        "upstreams[0].routes[2].job.status.path: GET /c/{job_id} is classified as the side_effect route `c_poll`",
+    ] {
+        assert!(text.contains(want), "missing `{want}` in\n{text}");
+    }
+}

@@ -78,6 +78,62 @@ impl StatusSpec {
     }
 }
 
+/// The `job.status` endpoints one read-only route carries: a request of the agent's own
+/// that matches one of them is observed on its way back (SPEC section 9.2).
+#[derive(Debug)]
+pub struct JobWatch {
+    /// Status path template → indices into `watchers`.
+    router: matchit::Router<Vec<usize>>,
+    pub watchers: Vec<Watcher>,
+}
+
+/// A side-effect route whose jobs' status a read-only route carries.
+#[derive(Debug, Clone)]
+pub struct Watcher {
+    /// The side-effect route that starts the jobs.
+    pub route: String,
+    pub status: StatusSpec,
+}
+
+impl JobWatch {
+    pub fn new(watchers: Vec<Watcher>) -> Result<JobWatch, String> {
+        let mut templates: Vec<(String, Vec<usize>)> = Vec::new();
+        for (i, w) in watchers.iter().enumerate() {
+            match templates.iter_mut().find(|(t, _)| *t == w.status.path) {
+                Some((_, v)) => v.push(i),
+                None => templates.push((w.status.path.clone(), vec![i])),
+            }
+        }
+        let mut router = matchit::Router::new();
+        for (t, v) in templates {
+            router.insert(t, v).map_err(|e| e.to_string())?;
+        }
+        Ok(JobWatch { router, watchers })
+    }
+
+    /// The watchers a request (`method`, its path relative to the mount) is a status poll
+    /// of, with the job id it names.
+    pub fn matching<'a>(
+        &'a self,
+        method: &http::Method,
+        rel_path: &str,
+    ) -> Option<(String, Vec<&'a Watcher>)> {
+        let m = self.router.at(rel_path).ok()?;
+        let job_id = m.params.get(JOB_ID_PARAM)?;
+        let job_id = percent_encoding::percent_decode_str(job_id)
+            .decode_utf8()
+            .ok()?
+            .into_owned();
+        let ws: Vec<&Watcher> = m
+            .value
+            .iter()
+            .map(|&i| &self.watchers[i])
+            .filter(|w| w.status.method == method)
+            .collect();
+        (!ws.is_empty()).then_some((job_id, ws))
+    }
+}
+
 /// The parameter of a `job.status` path that names the job.
 pub const JOB_ID_PARAM: &str = "job_id";
 

@@ -3,6 +3,7 @@
 //! of a running proxy; the phases live in [`side_effect`] and [`passthrough`].
 
 mod downstream;
+pub mod jobs;
 pub mod mcp;
 pub mod passthrough;
 mod pending;
@@ -205,7 +206,14 @@ impl Proxy {
         }
         let client = &rt.clients[target.upstream_index];
         match target.route.class {
-            Class::ReadOnly => passthrough::forward(rt, client, &target, req, &peer, true).await,
+            // The one field test a pass-through pays for jobs: routes carrying a
+            // `job.status` endpoint are observed (boxed, off every other request's future).
+            Class::ReadOnly => match &target.route.observes {
+                None => passthrough::forward(rt, client, &target, req, &peer, true).await,
+                Some(watch) => {
+                    Box::pin(jobs::observe(self, rt, client, &target, req, &peer, watch)).await
+                }
+            },
             // Admission (key, body, replay from memory) and what follows are each smaller
             // than the pass-through's future, and a request's future is as large as its
             // largest branch, so neither needs a box of its own.

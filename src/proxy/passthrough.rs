@@ -90,10 +90,12 @@ pub async fn forward(
 }
 
 /// Whether `target`'s requests may take the read-only lane: a read-only route of an
-/// `http://` upstream.
+/// `http://` upstream that observes no job status (those answers are read on their way
+/// back, `proxy::jobs::observe`).
 pub fn takes_raw(target: &Target<'_>) -> bool {
     target.route.class == crate::config::Class::ReadOnly
         && target.upstream.scheme == http::uri::Scheme::HTTP
+        && target.route.observes.is_none()
 }
 
 /// [`forward`] for a request taken as bytes ([`takes_raw`]): the upstream request is
