@@ -795,3 +795,85 @@ async fn a_job_is_completed_by_the_proxys_own_polling() {
 async fn get(c: &TestClient, url: &str) -> Resp {
     send(c, http::Method::GET, url, &[], "").await
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn two_postgres_instances_poll_one_job_and_end_it_once() {
+    let schema = Schema::new("jobs");
+    let ds = FakeDownstream::start().await;
+    let dirs: Vec<_> = (0..2)
+        .map(|_| tempfile::tempdir().expect("tempdir"))
+        .collect();
+    let procs: Vec<ProxyProc> = dirs
+        .iter()
+        .map(|d| {
+            let yaml = config(d.path(), &ds.url()).replace(
+                &format!(
+                    "store: {{ backend: redb, path: {}/store.redb, retention: 1h }}",
+                    d.path().display()
+                ),
+                &format!(
+                    "store: {{ backend: postgres, url_env: IDEMPROXY_TEST_POSTGRES_URL, schema: {}, retention: 1h }}",
+                    schema.name
+                ),
+            );
+            assert!(yaml.contains("backend: postgres"));
+            ProxyProc::start_with_env(d.path(), &yaml, &ENV)
+        })
+        .collect();
+    let c = client();
+    let first = post(
+        &c,
+        &procs[0].url("/polled/send"),
+        &[("Idempotency-Key", "pg-export")],
+        "{}",
+    )
+    .await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let exec = first
+        .header("idempotency-execution-id")
+        .expect("id")
+        .to_string();
+    let job_id = first.json()["id"].as_str().expect("job id").to_string();
+    // Both instances poll the job (the first answer is running, every later one
+    // succeeded); it ends once, whichever instance's write lands first.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let job = job_of(&c, &procs[1], &exec).await;
+        if job["state"] == "succeeded" {
+            assert_eq!(job["ended_by"], "poll");
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "never ended: {job}");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    // Let both instances run a few more ticks: nothing polls an ended job, and the job's
+    // end was counted once across the two.
+    tokio::time::sleep(std::time::Duration::from_millis(600)).await;
+    let polls = ds.hits_on(&format!("/jobs/{job_id}"));
+    tokio::time::sleep(std::time::Duration::from_millis(600)).await;
+    assert_eq!(
+        ds.hits_on(&format!("/jobs/{job_id}")),
+        polls,
+        "an ended job is not polled"
+    );
+    let ended: u64 = {
+        let mut n = 0;
+        for p in &procs {
+            let text = metrics_text(&c, p).await;
+            let line =
+                r#"idemproxy_jobs_total{upstream="polled",route="start",state="succeeded"} "#;
+            n += text
+                .lines()
+                .find_map(|l| l.strip_prefix(line))
+                .map_or(0, |v| v.trim().parse::<u64>().expect("count"));
+        }
+        n
+    };
+    assert_eq!(
+        ended, 1,
+        "one instance ended the job, the other found it ended"
+    );
+    assert_eq!(ds.hits_on("/send"), 1);
+    let running = jobs(&c, &procs[0], "running").await;
+    assert!(running.is_empty(), "{running:?}");
+}

@@ -21,7 +21,7 @@ use crate::metrics::Metrics;
 use crate::policy::identity::ExecutionId;
 use crate::policy::job::JobState;
 use crate::policy::state::State;
-use crate::store::{ListFilter, Record};
+use crate::store::{JobFilter, ListFilter, Record};
 use crate::wire::body::{full, ProxyBody, RequestBody};
 
 /// Largest JSON body an admin call accepts (a resolve result is the only big one).
@@ -204,9 +204,23 @@ async fn dispatch(
             ))
         }
         Endpoint::Jobs => {
-            let want = job_state(req.uri().query())?;
-            let (items, complete) = jobs(store, want).await?;
-            let views: Vec<_> = items
+            let filter = job_filter(req.uri().query())?;
+            let limit = filter.limit;
+            // Served from the job-state index of either store, a page at a time.
+            let mut records = store
+                .list(&ListFilter {
+                    limit: limit + 1,
+                    ..filter
+                })
+                .await?;
+            let more = records.len() > limit;
+            records.truncate(limit);
+            let next = if more {
+                records.last().map(|r| r.id.as_str())
+            } else {
+                None
+            };
+            let views: Vec<_> = records
                 .iter()
                 .filter_map(|r| {
                     r.job.as_ref().map(|job| view::JobView {
@@ -220,7 +234,7 @@ async fn dispatch(
                 .collect();
             Ok(json(
                 StatusCode::OK,
-                &serde_json::json!({ "items": views, "complete": complete }),
+                &serde_json::json!({ "items": views, "next": next, "complete": next.is_none() }),
             ))
         }
         Endpoint::Show(id) => match store.get(&id).await? {
@@ -326,59 +340,38 @@ fn mark_retention(cfg: &crate::config::Config) -> std::time::Duration {
         .fold(cfg.store.retention, std::cmp::max)
 }
 
-fn job_state(query: Option<&str>) -> Result<Option<JobState>, AdminError> {
-    let mut want = None;
+/// `GET /v1/jobs?state=&limit=&after=`: records that started a job (in one state, or any),
+/// in execution-id order, paged like `GET /v1/executions`.
+fn job_filter(query: Option<&str>) -> Result<ListFilter, AdminError> {
+    let mut filter = ListFilter {
+        limit: DEFAULT_PAGE,
+        job: Some(JobFilter::Any),
+        ..ListFilter::default()
+    };
     for (k, v) in form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
         match k.as_ref() {
-            "state" => want = Some(JobState::from_str(&v).map_err(AdminError::BadRequest)?),
+            "state" => {
+                let state = JobState::from_str(&v).map_err(AdminError::BadRequest)?;
+                filter.job = Some(JobFilter::In(state));
+            }
+            "limit" => {
+                filter.limit = v
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|n| (1..=MAX_PAGE).contains(n))
+                    .ok_or_else(|| {
+                        AdminError::BadRequest(format!("limit must be 1..={MAX_PAGE}"))
+                    })?
+            }
+            "after" => filter.after = Some(ExecutionId(v.into_owned())),
             other => {
                 return Err(AdminError::BadRequest(format!(
-                    "unknown query parameter `{other}` (expected state)"
+                    "unknown query parameter `{other}` (expected state, limit, after)"
                 )))
             }
         }
     }
-    Ok(want)
-}
-
-/// Most records `GET /v1/jobs` reads: the stores keep no index of jobs, so the listing is
-/// a scan, bounded (`complete: false` says it stopped there).
-const JOB_SCAN: usize = 10_000;
-
-/// The records with a job (in `want`, when given), from one bounded scan of every record
-/// in id order (filtering by state would race a record's move from `committed` to
-/// `result_delivered` and could show it twice or not at all).
-async fn jobs(
-    store: &dyn crate::store::Store,
-    want: Option<JobState>,
-) -> Result<(Vec<crate::store::Record>, bool), AdminError> {
-    let mut found = Vec::new();
-    let mut scanned = 0;
-    let mut after = None;
-    loop {
-        let page = store
-            .list(&ListFilter {
-                after: after.clone(),
-                limit: MAX_PAGE,
-                ..ListFilter::default()
-            })
-            .await?;
-        scanned += page.len();
-        let last = page.last().map(|r| r.id.clone());
-        let full = page.len() == MAX_PAGE;
-        found.extend(page.into_iter().filter(|r| {
-            r.job
-                .as_ref()
-                .is_some_and(|j| want.is_none_or(|w| j.state == w))
-        }));
-        if !full {
-            return Ok((found, true));
-        }
-        if scanned >= JOB_SCAN {
-            return Ok((found, false));
-        }
-        after = last;
-    }
+    Ok(filter)
 }
 
 fn list_filter(query: Option<&str>) -> Result<ListFilter, AdminError> {
@@ -400,9 +393,10 @@ fn list_filter(query: Option<&str>) -> Result<ListFilter, AdminError> {
             }
             "after" => filter.after = Some(ExecutionId(v.into_owned())),
             "operation" => filter.operation = Some(v.into_owned()),
+            "external_id" => filter.external_id = Some(v.into_owned()),
             other => {
                 return Err(AdminError::BadRequest(format!(
-                    "unknown query parameter `{other}` (expected status, limit, after, operation)"
+                    "unknown query parameter `{other}` (expected status, limit, after, operation, external_id)"
                 )))
             }
         }

@@ -11,7 +11,7 @@ const PAGE = 50;
 const $ = (id) => document.getElementById(id);
 
 const state = {
-  limits: { approvals: PAGE, unknown: PAGE },
+  limits: { approvals: PAGE, unknown: PAGE, jobs: PAGE },
   timer: null,
   busy: false,
 };
@@ -274,10 +274,57 @@ function detailView(r) {
     el("h3", {}, r.execution_id), dl,
     r.preview ? [el("h4", {}, "Preview"), previewList(r.preview)] : null,
     r.response ? [el("h4", {}, "Stored answer"), answerView(r.response)] : null,
+    r.job ? [el("h4", {}, "Background job"), jobView(r.job)] : null,
+    r.events && r.events.length ? [el("h4", {}, "Webhook events"), eventsView(r.events)] : null,
     el("h4", {}, "History"), history);
   if (r.state === "awaiting_approval") card.append(approvalCard(r).querySelector(".actions"));
   if (r.state === "outcome_unknown") card.append(unknownCard(r).querySelector(".actions"));
   return card;
+}
+
+// The job a call started (SPEC 9.2): its state, what ended it, and its final result.
+function jobView(job) {
+  const dl = el("dl", { class: "detail job" });
+  const rows = [
+    ["Job id", el("code", {}, job.id)],
+    ["Job state", el("strong", { class: `job-state ${job.state}` }, job.state)],
+    ["Ended by", job.ended_by ? job.ended_by.replaceAll("_", " ") + (job.event ? ` (${job.event})` : "") : "—"],
+    ["Started", when(job.started_at_ms)],
+    ["Updated", when(job.updated_at_ms)],
+  ];
+  for (const [k, v] of rows) dl.append(el("dt", {}, k), el("dd", {}, v));
+  return el("div", {}, dl,
+    job.result !== undefined ? el("pre", { class: "body json" }, JSON.stringify(job.result, null, 2)) : null);
+}
+
+// The webhook events correlated to a call (SPEC 9.1), oldest first.
+function eventsView(events) {
+  return el("table", { class: "history events" },
+    el("thead", {}, el("tr", {}, el("th", {}, "When"), el("th", {}, "Event"), el("th", {}, "Type"),
+      el("th", {}, "Says"), el("th", {}, "Route"))),
+    el("tbody", {}, events.map((e) => el("tr", {},
+      el("td", {}, when(e.at_ms)), el("td", {}, el("code", {}, e.id)), el("td", {}, e.type || "—"),
+      el("td", {}, e.verdict + (e.held !== undefined ? " (arrived while executing)" : "")),
+      el("td", {}, e.route)))));
+}
+
+async function loadJobs() {
+  const want = $("jobs-state").value;
+  const page = await api("GET", `/v1/jobs?limit=${state.limits.jobs}${want ? `&state=${want}` : ""}`);
+  const list = $("jobs-list");
+  const rows = page.items.map((j) => el("tr", { "data-id": j.execution_id },
+    el("td", {}, el("code", {}, j.job.id)),
+    el("td", {}, el("strong", { class: `job-state ${j.job.state}` }, j.job.state)),
+    el("td", {}, `${j.upstream} / ${j.route}`),
+    el("td", {}, j.job.ended_by ? j.job.ended_by.replaceAll("_", " ") : "—"),
+    el("td", {}, ago(j.job.updated_at_ms)),
+    el("td", {}, el("button", { type: "button", class: "quiet", "data-open": j.execution_id }, j.execution_id))));
+  list.replaceChildren(...(rows.length ? rows : [el("tr", {}, el("td", { colspan: 6, class: "muted" }, "No jobs."))]));
+  for (const b of list.querySelectorAll("button[data-open]")) {
+    b.addEventListener("click", () => search(b.dataset.open));
+  }
+  $("jobs-count").textContent = page.items.length + (page.next ? "+" : "");
+  $("jobs-more").hidden = !page.next;
 }
 
 // The stored answer as an operator reads it: status, headers as a table, the body
@@ -368,6 +415,7 @@ async function refresh() {
     await Promise.all([
       loadList("awaiting_approval", "approvals", approvalCard, "Nothing is waiting for approval."),
       loadList("outcome_unknown", "unknown", unknownCard, "No call has an unknown outcome."),
+      loadJobs(),
       loadMetrics(),
     ]);
     $("updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
@@ -429,7 +477,8 @@ document.addEventListener("DOMContentLoaded", () => {
     ev.preventDefault();
     cancelOperation($("cancel-op").value.trim());
   });
-  for (const key of ["approvals", "unknown"]) {
+  $("jobs-state").addEventListener("change", refresh);
+  for (const key of ["approvals", "unknown", "jobs"]) {
     $(`${key}-more`).addEventListener("click", () => { state.limits[key] = Math.min(500, state.limits[key] + PAGE); refresh(); });
   }
   if (sessionStorage.getItem(TOKEN_KEY)) signedIn();
