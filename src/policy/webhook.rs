@@ -553,6 +553,46 @@ mod tests {
     }
 
     #[test]
+    fn a_held_succeeded_event_settles_a_call_that_would_become_unknown() {
+        use crate::policy::state::{Event, State};
+        use crate::store::record::WebhookEvent;
+        let event = |held: Option<serde_json::Value>| WebhookEvent {
+            id: "evt_1".into(),
+            route: "stripe/events".into(),
+            kind: Some("payment_intent.succeeded".into()),
+            at_ms: 3,
+            verdict: "succeeded".into(),
+            body: None,
+            held,
+        };
+        let mut r = crate::store::record::tests::sample();
+        r.apply(Event::Start, 2, None).expect("start");
+        // Only an event held while executing settles, and only an unknown outcome.
+        r.events.push(event(None));
+        r.apply(Event::LoseOutcome, 4, None).expect("lose");
+        assert!(!settle_held(&mut r, 5));
+        assert_eq!(r.state(), State::OutcomeUnknown);
+        r.events
+            .push(event(Some(serde_json::json!({"id": "pi_1"}))));
+        assert!(settle_held(&mut r, 5));
+        assert_eq!(r.state(), State::Committed);
+        let answer = r.response.as_ref().expect("the evidence is the answer");
+        assert_eq!(answer.status, 200);
+        assert_eq!(answer.body, br#"{"id":"pi_1"}"#.to_vec());
+        assert!(answer
+            .headers
+            .iter()
+            .any(|(n, v)| n == "idempotency-reconciled" && v == b"webhook"));
+        let events: Vec<_> = r.history.iter().map(|h| h.event).collect();
+        assert_eq!(
+            events,
+            [Event::Start, Event::LoseOutcome, Event::SettleByWebhook]
+        );
+        // A committed call is left as it is.
+        assert!(!settle_held(&mut r, 6));
+    }
+
+    #[test]
     fn event_ids_verdicts_and_evidence() {
         let spec = WebhookSpec {
             event_id: EventIdFrom::Json("/id".into()),

@@ -107,3 +107,50 @@ fn resolve_with(current: Record, ours: &Record) -> Option<Record> {
     tracing::warn!(execution_id = %id, state = %current.state(), "another decision was stored while this attempt's outcome waited; it stands");
     None
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::record::WebhookEvent;
+
+    fn event() -> WebhookEvent {
+        WebhookEvent {
+            id: "evt_1".into(),
+            route: "stripe/events".into(),
+            kind: None,
+            at_ms: 3,
+            verdict: "other".into(),
+            body: None,
+            held: None,
+        }
+    }
+
+    #[test]
+    fn only_events_on_the_same_attempt_still_executing_are_taken_along() {
+        let mut read = crate::store::record::tests::sample();
+        read.apply(Event::Start, 2, None).expect("start");
+        read.version = 2;
+        // What a webhook wrote meanwhile: one more event, one more version.
+        let mut current = read.clone();
+        current.events.push(event());
+        current.version = 3;
+        let mut ours = read.clone();
+        ours.apply(Event::Commit, 4, None).expect("commit");
+        assert!(rebase_on_events(&mut ours, &current));
+        assert_eq!((ours.version, ours.events.len()), (3, 1));
+        assert_eq!(ours.state(), State::Committed);
+        // A takeover (no longer executing) or a re-send (another attempt) stands.
+        let mut taken = current.clone();
+        taken.apply(Event::LoseOutcome, 5, None).expect("lose");
+        let mut ours = read.clone();
+        ours.apply(Event::Commit, 4, None).expect("commit");
+        assert!(!rebase_on_events(&mut ours, &taken));
+        let mut resent = current.clone();
+        resent.attempts += 1;
+        assert!(!rebase_on_events(&mut ours, &resent));
+        // Nothing new on the record: a conflict of another kind.
+        let mut same = read.clone();
+        same.version = 3;
+        assert!(!rebase_on_events(&mut ours, &same));
+    }
+}
