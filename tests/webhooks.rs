@@ -440,9 +440,14 @@ async fn an_event_for_a_call_still_executing_is_held_and_settles_it_when_it_time
     let early = deliver(&c, &proxy.url("/stripe/send"), &headers, &event).await;
     assert!(early.status.is_success(), "{early:?}");
     assert_eq!(env.ds.hits_on("/send"), 1, "forwarded to the receiver");
-    // The call times out: instead of outcome_unknown, the held event settles it.
+    // The call times out: instead of outcome_unknown, the held event settles it, and the
+    // caller gets the event's evidence at once.
     let r = call.await.expect("call");
-    assert_eq!(r.status, StatusCode::GATEWAY_TIMEOUT, "{r:?}");
+    assert_eq!(r.status, StatusCode::OK, "{r:?}");
+    assert_eq!(r.header("idempotency-reconciled"), Some("webhook"));
+    assert_eq!(r.header("idempotent-replayed"), None);
+    assert_eq!(r.json()["id"], "pi_78");
+    // Its retry replays the same answer.
     let r = post(
         &c,
         &charge,
@@ -452,6 +457,7 @@ async fn an_event_for_a_call_still_executing_is_held_and_settles_it_when_it_time
     .await;
     assert_eq!(r.status, StatusCode::OK, "{r:?}");
     assert_eq!(r.header("idempotency-reconciled"), Some("webhook"));
+    assert_eq!(r.header("idempotent-replayed"), Some("true"));
     assert_eq!(r.header("idempotency-webhook-event"), Some("evt_pi_78"));
     assert_eq!(r.json()["id"], "pi_78");
     assert_eq!(

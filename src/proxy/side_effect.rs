@@ -1453,8 +1453,11 @@ impl Call<'_> {
         timeout: bool,
     ) -> Response<ProxyBody> {
         tracing::warn!(execution_id = %self.id, reason = %why, "outcome unknown");
-        self.record_outcome(record, Event::LoseOutcome, &why).await;
-        self.unknown_problem(why, timeout)
+        match self.record_outcome(record, Event::LoseOutcome, &why).await {
+            // Settled at once by a webhook event held while it executed: the answer is known.
+            Some(settled) if settled.state().has_result() => self.respond(&settled, false),
+            _ => self.unknown_problem(why, timeout),
+        }
     }
 
     async fn finish_5xx_unknown(
@@ -1464,20 +1467,29 @@ impl Call<'_> {
         stored: StoredResponse,
     ) -> Response<ProxyBody> {
         tracing::warn!(execution_id = %self.id, reason = %why, "outcome unknown");
-        self.record_outcome(record, Event::LoseOutcome, &why).await;
+        if let Some(settled) = self.record_outcome(record, Event::LoseOutcome, &why).await {
+            if settled.state().has_result() {
+                return self.respond(&settled, false);
+            }
+        }
         let mut resp = self.stored_response(&stored, false);
         resp.headers_mut()
             .insert(STATUS, HeaderValue::from_static("outcome_unknown"));
         resp
     }
 
-    /// Store how an attempt ended without a committed answer. If that write fails the
-    /// record stays `executing`, which recovery turns into `outcome_unknown`: never lost.
-    async fn record_outcome(&self, record: Record, event: Event, why: &str) {
+    /// Store how an attempt ended without a committed answer, and return the record as
+    /// stored. If that write fails the record stays `executing`, which recovery turns into
+    /// `outcome_unknown`: never lost.
+    async fn record_outcome(&self, record: Record, event: Event, why: &str) -> Option<Record> {
         match self.transition(record, event, Some(why.to_string())).await {
-            Ok(_) => failpoint::hit("after_local_commit").await,
+            Ok(stored) => {
+                failpoint::hit("after_local_commit").await;
+                Some(stored)
+            }
             Err(e) => {
-                tracing::error!(execution_id = %self.id, error = %e, event = event.as_str(), "could not record the attempt's outcome")
+                tracing::error!(execution_id = %self.id, error = %e, event = event.as_str(), "could not record the attempt's outcome");
+                None
             }
         }
     }
