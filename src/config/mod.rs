@@ -362,6 +362,10 @@ pub struct Route {
     pub timeout: Duration,
     /// JSON pointer to the downstream's own id in a committed answer (default `/id`).
     pub external_id: Option<String>,
+    /// Whether the external ids of this route's calls go into the stores' external-id
+    /// index: set on every route when some webhook route correlates `to: external_id`
+    /// (a job's id is indexed regardless).
+    pub index_external_id: bool,
     /// `class: webhook` only: the event id, signature and correlation rules.
     pub webhook: Option<std::sync::Arc<crate::policy::webhook::WebhookSpec>>,
     /// `job:` (side-effect routes): the job id pointer into the committed answer.

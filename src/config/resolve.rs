@@ -487,6 +487,27 @@ impl Validator {
             }
         };
         self.job_observers(&mut upstreams, &routes, unmatched);
+        // External ids are indexed only while something looks them up.
+        let correlates_external = upstreams.iter().flat_map(|u| &u.routes).any(|r| {
+            r.webhook.as_ref().is_some_and(|w| {
+                w.correlate
+                    .iter()
+                    .any(|c| c.to == crate::policy::webhook::CorrelateTo::ExternalId)
+            })
+        });
+        if correlates_external {
+            for u in upstreams.iter_mut() {
+                let mcp_tools = u.mcp.as_mut().map(|m| m.tools.iter_mut());
+                for r in u
+                    .routes
+                    .iter_mut()
+                    .chain([&mut u.fallback_side_effect, &mut u.fallback_read_only])
+                    .chain(mcp_tools.into_iter().flatten())
+                {
+                    r.index_external_id = true;
+                }
+            }
+        }
         Some(Config {
             source: file.to_path_buf(),
             listen,
@@ -786,6 +807,7 @@ impl Validator {
             webhook: None,
             job: None,
             observes: None,
+            index_external_id: false,
         };
         let mcp = match u.protocol.as_deref() {
             None | Some("http") => {
@@ -1334,6 +1356,7 @@ impl Validator {
             webhook,
             job,
             observes: None,
+            index_external_id: false,
         })
     }
 

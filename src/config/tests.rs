@@ -340,6 +340,16 @@ fn job_status_endpoints_are_observed_by_the_read_only_route_that_carries_them() 
     for r in [&up.routes[0], &up.routes[2], &up.routes[3]] {
         assert!(r.observes.is_none(), "{}", r.name);
     }
+    // External ids are indexed only while a webhook route correlates to them.
+    assert!(up.routes.iter().all(|r| !r.index_external_id));
+    let hooked = from_yaml(
+        &format!("{yaml}      - name: hook\n        match: {{ method: POST, path: /hook }}\n        class: webhook\n        webhook:\n          verify: {{ scheme: standard_webhooks, secret_env: CFG_TEST_UNSET_HOOK_SECRET }}\n          correlate: [{{ json: /data/id, to: external_id }}]\n"),
+        Path::new("cfg.yaml"),
+    )
+    .expect("valid");
+    let up = &hooked.upstreams[0];
+    assert!(up.routes.iter().all(|r| r.index_external_id));
+    assert!(up.fallback_side_effect.index_external_id);
 
     let text = errors(
         "upstreams:\n  - name: app\n    url: http://127.0.0.1:1\n    routes:\n      - name: a\n        match: { method: POST, path: /a }\n        job: { id: /id, status: { path: /jobs, succeeded: [ok] } }\n      - name: b\n        match: { method: POST, path: /b }\n        job: { id: /id, status: { method: DELETE, path: \"/b/{job_id}\", every: 1ms } }\n      - name: c\n        match: { method: POST, path: /c }\n        job: { id: /id, status: { path: \"/c/{job_id}\", succeeded: [ok] } }\n      - { name: c_poll, match: { path: \"/c/{x}\" }, class: side_effect }\n",

@@ -426,6 +426,7 @@ mod tests {
             webhook: None,
             job: None,
             observes: None,
+            index_external_id: false,
         }
     }
 

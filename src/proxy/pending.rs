@@ -96,6 +96,8 @@ fn resolve_with(current: Record, ours: &Record) -> Option<Record> {
         let mut r = current;
         r.response = ours.response.clone();
         r.external_id = ours.external_id.clone();
+        r.external_indexed = ours.external_indexed;
+        r.job = ours.job.clone();
         let note = Some(
             "late answer from the original attempt, kept while the store was failing".to_string(),
         );

@@ -1613,6 +1613,7 @@ fn annotate(route: &Route, record: &mut Record, stored: &StoredResponse) {
         .external_id
         .as_deref()
         .and_then(|p| external_id(stored, p));
+    record.external_indexed = route.index_external_id && record.external_id.is_some();
     let Some(spec) = &route.job else { return };
     if !(200..300).contains(&stored.status) {
         return;
@@ -1620,6 +1621,7 @@ fn annotate(route: &Route, record: &mut Record, stored: &StoredResponse) {
     if let Some(id) = crate::policy::job::job_id(spec, &stored.body) {
         let now = now_ms();
         record.external_id = Some(id.clone());
+        record.external_indexed = true;
         record.job = Some(crate::store::record::Job {
             id,
             state: crate::policy::job::JobState::Running,

@@ -744,7 +744,7 @@ impl<'a> Columns<'a> {
                 .map(|l| l.expires_at_ms.saturating_sub(now_ms())),
             expires_at_ms: r.expires_at_ms,
             created_at_ms: r.created_at_ms,
-            external_id: r.external_id.as_deref(),
+            external_id: r.external_id.as_deref().filter(|_| r.external_indexed),
             job_state: r.job.as_ref().map(|j| j.state.as_str()),
         }
     }
@@ -1338,6 +1338,7 @@ mod tests {
                 r.apply(Event::Commit, NOW, None).expect("commit");
                 r.lease = None;
                 r.external_id = Some(job.into());
+                r.external_indexed = true;
                 r.job = Some(crate::store::record::Job {
                     id: job.into(),
                     state,
@@ -1353,7 +1354,12 @@ mod tests {
                 job("ex_a", "job_1", JobState::Running),
                 job("ex_b", "job_2", JobState::Running),
                 job("ex_c", "job_1", JobState::Succeeded),
-                record("ex_d", "op", NOW + 100),
+                {
+                    // An external id nothing looks up: kept, not indexed.
+                    let mut plain = record("ex_d", "op", NOW + 100);
+                    plain.external_id = Some("job_1".into());
+                    plain
+                },
             ] {
                 s.claim(r).await.expect("claim");
             }

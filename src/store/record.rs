@@ -132,6 +132,12 @@ pub struct Record {
     /// The downstream's own id for the effect (e.g. `msg_912`), when it returned one.
     #[serde(default)]
     pub external_id: Option<String>,
+    /// Whether `external_id` is in the stores' external-id index (`ListFilter.external_id`):
+    /// for a call that started a job, and on every route while a webhook route correlates
+    /// `to: external_id`. Other external ids are kept but not indexed: the entry would be
+    /// one more write at a random place per execution, for a lookup nothing makes.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub external_indexed: bool,
     #[serde(default)]
     pub response: Option<StoredResponse>,
     /// Why the record is where it is (error text without argument values).
@@ -234,6 +240,7 @@ impl Record {
             delivered_at_ms: None,
             expires_at_ms: n.expires_at_ms,
             external_id: None,
+            external_indexed: false,
             response: None,
             note: None,
             history: Vec::new(),

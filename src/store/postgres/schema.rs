@@ -63,9 +63,10 @@ const MIGRATIONS: &[(i32, &str)] = &[
         5,
         r#"
     -- Background jobs and correlation by external id (SPEC section 9): the record's
-    -- downstream id (a job's id is stored there too) and its job's state, so a webhook event
-    -- correlated `to: external_id`, a job's status answer and the job poller find their
-    -- records by index. Rows written before this step get them from their body.
+    -- downstream id when it is indexed (`external_indexed`: a job's id, or any while a webhook
+    -- route correlates `to: external_id`) and its job's state, so a webhook event correlated
+    -- `to: external_id`, a job's status answer and the job poller find their records by
+    -- index. Rows written before this step get them from their body (their jobs' ids).
     ALTER TABLE {schema}.records ADD COLUMN external_id text, ADD COLUMN job_state text;
     -- A body that is not JSON (a damaged row) keeps NULLs, as reads report it anyway.
     CREATE FUNCTION pg_temp.idemproxy_record_json(b bytea) RETURNS jsonb
@@ -76,7 +77,9 @@ const MIGRATIONS: &[(i32, &str)] = &[
         RETURN NULL;
     END $$;
     UPDATE {schema}.records r SET
-        external_id = s.j ->> 'external_id',
+        external_id = CASE WHEN s.j -> 'job' IS NOT NULL
+            OR coalesce((s.j ->> 'external_indexed')::boolean, false)
+            THEN s.j ->> 'external_id' END,
         job_state = s.j -> 'job' ->> 'state'
     FROM (SELECT id, pg_temp.idemproxy_record_json(body) AS j FROM {schema}.records) s
     WHERE r.id = s.id AND (s.j ->> 'external_id' IS NOT NULL OR s.j -> 'job' IS NOT NULL);

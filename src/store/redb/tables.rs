@@ -99,6 +99,8 @@ struct StoredMeta {
     #[serde(default)]
     external_id: Option<String>,
     #[serde(default)]
+    external_indexed: bool,
+    #[serde(default)]
     job: Option<JobMeta>,
 }
 
@@ -121,7 +123,10 @@ impl StoredMeta {
             state: self.state.code(),
             expires_at_ms: self.expires_at_ms,
             operation_id: self.operation_id.as_deref(),
-            external_id: self.external_id.as_deref(),
+            external_id: self
+                .external_id
+                .as_deref()
+                .filter(|_| self.external_indexed),
             job: self.job.as_ref().map(|j| j.state.code()),
         }
     }
@@ -142,7 +147,7 @@ impl<'a> IndexKeys<'a> {
             state: r.state().code(),
             expires_at_ms: r.expires_at_ms,
             operation_id: r.operation_id.as_deref(),
-            external_id: r.external_id.as_deref(),
+            external_id: r.external_id.as_deref().filter(|_| r.external_indexed),
             job: r.job.as_ref().map(|j| j.state.code()),
         }
     }
@@ -934,7 +939,7 @@ impl<'t> WriteTables<'t> {
         if let Some(op) = record.operation_id.as_deref() {
             self.by_operation.remove((op, id)).map_err(storage)?;
         }
-        if let Some(e) = record.external_id.as_deref() {
+        if let Some(e) = IndexKeys::of(record).external_id {
             self.by_external.remove((e, id)).map_err(storage)?;
         }
         if let Some(job) = &record.job {

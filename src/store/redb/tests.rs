@@ -955,6 +955,7 @@ fn with_job(id_: &str, job: &str, state: crate::policy::job::JobState) -> Record
     let mut r = executing(record(id_, None, 100), None);
     r.apply(Event::Commit, 3, None).expect("commit");
     r.external_id = Some(job.into());
+    r.external_indexed = true;
     r.job = Some(crate::store::record::Job {
         id: job.into(),
         state,
@@ -980,8 +981,12 @@ async fn external_ids_and_jobs_are_indexed_and_built_for_older_files() {
     let mut shared = executing(record("ex_d", None, 100), None);
     shared.apply(Event::Commit, 3, None).expect("commit");
     shared.external_id = Some("job_1".into());
+    shared.external_indexed = true;
     insert(&store, shared).await;
-    insert(&store, executing(record("ex_e", None, 100), None)).await;
+    // An external id that nothing looks up is kept, not indexed.
+    let mut plain = executing(record("ex_e", None, 100), None);
+    plain.external_id = Some("job_1".into());
+    insert(&store, plain).await;
     fn ids(rs: Vec<Record>) -> Vec<String> {
         rs.into_iter().map(|r| r.id.0).collect()
     }
