@@ -560,6 +560,26 @@ async fn two_postgres_instances_forward_an_event_once_and_settle_across_instance
     assert_eq!(r.status, StatusCode::OK, "{r:?}");
     assert_eq!(r.header("idempotency-reconciled"), Some("webhook"));
     assert_eq!(ds.hits_on("/drop-after-commit/send"), 1);
+    // A job started on one instance, ended by an event the other received that names it
+    // only by the job's id (the external-id index of the shared store).
+    let started = post(
+        &c,
+        &procs[0].url("/pay/send"),
+        &[("Idempotency-Key", "pg-job")],
+        "{}",
+    )
+    .await;
+    assert_eq!(started.status, StatusCode::CREATED, "{started:?}");
+    let job_id = started.json()["id"].as_str().expect("job id").to_string();
+    let event = format!(
+        r#"{{"id":"evt_pg_job","type":"job.failed","data":{{"object":{{"id":"{job_id}","error":"disk full"}}}}}}"#
+    );
+    let headers = signed("stripe", STRIPE_SECRET, "evt_pg_job", now_s(), &event);
+    let r = deliver(&c, &procs[1].url("/stripe/send"), &headers, &event).await;
+    assert!(r.status.is_success(), "{r:?}");
+    let failed = jobs(&c, &procs[0], "failed").await;
+    assert_eq!(failed.len(), 1, "{failed:?}");
+    assert_eq!(failed[0]["job"]["result"]["error"], "disk full");
 }
 
 async fn jobs(c: &TestClient, proxy: &ProxyProc, state: &str) -> Vec<serde_json::Value> {
