@@ -59,11 +59,13 @@ async fn approving_in_the_console_lets_the_retry_execute_once() {
 
     let dir = tempfile::tempdir().expect("tempdir");
     let ds = FakeDownstream::start().await;
-    let proxy = ProxyProc::start_with_env(
-        dir.path(),
-        &admin_config(dir.path(), &ds.url()),
-        &[(ADMIN_TOKEN_ENV, ADMIN_TOKEN)],
+    // Plus a route whose calls start background jobs, their status observed.
+    let yaml = format!(
+        "{}  - name: reports\n    url: {}\n    mount: /reports\n    routes:\n      - name: export\n        match: {{ method: POST, path: /send }}\n        job: {{ id: /id, status: {{ path: \"/jobs/{{job_id}}\", succeeded: [succeeded], failed: [failed] }} }}\n",
+        admin_config(dir.path(), &ds.url()),
+        ds.url()
     );
+    let proxy = ProxyProc::start_with_env(dir.path(), &yaml, &[(ADMIN_TOKEN_ENV, ADMIN_TOKEN)]);
     let c = client();
 
     // What an operator would find: two held payments, one unknown outcome, some traffic.
@@ -115,6 +117,31 @@ async fn approving_in_the_console_lets_the_retry_execute_once() {
             .to_string();
     }
     assert_eq!(ds.commits_for(&id), 0);
+    // A job, ended by the agent's second status poll (observed through the proxy).
+    let started = post(
+        &c,
+        &proxy.url("/reports/send"),
+        &[TENANT, ("idempotency-key", "k-job")],
+        "{}",
+    )
+    .await;
+    assert_eq!(started.status, StatusCode::CREATED, "{started:?}");
+    let job_exec = started
+        .header("idempotency-execution-id")
+        .expect("id")
+        .to_string();
+    let job_id = started.json()["id"].as_str().expect("job id").to_string();
+    for _ in 0..2 {
+        let r = send(
+            &c,
+            http::Method::GET,
+            &proxy.url(&format!("/reports/jobs/{job_id}")),
+            &[TENANT],
+            "",
+        )
+        .await;
+        assert_eq!(r.status, StatusCode::OK, "{r:?}");
+    }
 
     let screenshot = if std::env::var_os("IDEMPROXY_UPDATE_SCREENSHOT").is_some() {
         Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/console.png")
@@ -130,6 +157,8 @@ async fn approving_in_the_console_lets_the_retry_execute_once() {
         .env("EXPECT_PREVIEW", "acct_A-1042")
         .env("OPERATION_ID", "op_console")
         .env("ANSWERED_ID", &mail_id)
+        .env("JOB_EXECUTION_ID", &job_exec)
+        .env("JOB_ID", &job_id)
         .env("CHROMIUM", CHROMIUM)
         .env("SCREENSHOT", &screenshot)
         .kill_on_drop(true)

@@ -5,7 +5,8 @@
 //
 // Environment: ADMIN_URL, ADMIN_TOKEN, EXECUTION_ID, EXPECT_PREVIEW (text the card must
 // show), OPERATION_ID (the calls' operation, for the timeline), ANSWERED_ID (a committed
-// call, for its stored answer), CHROMIUM (default /usr/bin/chromium), SCREENSHOT (optional
+// call, for its stored answer), JOB_EXECUTION_ID and JOB_ID (optional: a call whose job
+// succeeded, for the jobs view and the record's job), CHROMIUM (default /usr/bin/chromium), SCREENSHOT (optional
 // PNG path).
 // Exits non-zero, with the reason, on any failure; a missing browser is a failure.
 import { existsSync, mkdtempSync, rmSync } from "node:fs";
@@ -109,6 +110,24 @@ try {
   }
   await page.locator(`#timeline-result tr[data-id="${answered}"] button`).click();
   await page.waitForSelector(`#detail article[data-id="${answered}"]`);
+
+  // The jobs view lists the ended job by state; a click opens its call with the job.
+  const jobExec = process.env.JOB_EXECUTION_ID;
+  if (jobExec) {
+    await page.selectOption("#jobs-state", "succeeded");
+    const row = page.locator(`#jobs-list tr[data-id="${jobExec}"]`);
+    await row.waitFor({ timeout: 10_000 });
+    const rowText = await row.innerText();
+    if (!rowText.includes(need("JOB_ID")) || !rowText.includes("observed poll")) {
+      throw new Error(`job row does not show the job and what ended it: ${rowText}`);
+    }
+    await row.locator("button").click();
+    await page.waitForSelector(`#detail article[data-id="${jobExec}"] .job-state.succeeded`);
+    const jobDetail = await page.locator("#detail").innerText();
+    if (!jobDetail.includes("Background job") || !jobDetail.includes(".csv")) {
+      throw new Error(`the record's page does not show its job and result: ${jobDetail}`);
+    }
+  }
 
   if (problems.length) throw new Error(problems.join("\n"));
   console.log(`console test passed: approved ${executionId} by clicking`);
