@@ -457,18 +457,21 @@ impl Snapshot {
                 JobFilter::Any => JobState::ALL.iter().map(|s| s.code()).collect(),
                 JobFilter::In(s) => vec![s.code()],
             };
-            // Each state's entries are in id order: merge them, a page's worth of each.
-            let mut ids = Vec::new();
+            // Each state's entries are in id order: merged lazily, smallest id first.
+            let mut walks = Vec::new();
             for code in codes {
-                for id in ids_in_state(&by_job, code, after)? {
-                    ids.push(id?);
-                    if ids.len() >= filter.limit * JobState::ALL.len() {
-                        break;
-                    }
-                }
+                walks.push(ids_in_state(&by_job, code, after)?);
             }
-            ids.sort();
-            for id in ids {
+            let mut heads = walks
+                .iter_mut()
+                .map(|w| w.next().transpose())
+                .collect::<StoreResult<Vec<Option<String>>>>()?;
+            while let Some(i) = (0..heads.len())
+                .filter(|&i| heads[i].is_some())
+                .min_by(|&a, &b| heads[a].cmp(&heads[b]))
+            {
+                let id = std::mem::replace(&mut heads[i], walks[i].next().transpose()?)
+                    .expect("a head was chosen");
                 let loaded = records
                     .load(&id)
                     .and_then(|r| r.ok_or_else(|| dangling("job", &id)));

@@ -978,6 +978,7 @@ async fn external_ids_and_jobs_are_indexed_and_built_for_older_files() {
     insert(&store, with_job("ex_a", "job_1", Running)).await;
     insert(&store, with_job("ex_b", "job_2", Running)).await;
     insert(&store, with_job("ex_c", "job_3", Succeeded)).await;
+    insert(&store, with_job("ex_0", "job_0", Failed)).await;
     let mut shared = executing(record("ex_d", None, 100), None);
     shared.apply(Event::Commit, 3, None).expect("commit");
     shared.external_id = Some("job_1".into());
@@ -1018,7 +1019,17 @@ async fn external_ids_and_jobs_are_indexed_and_built_for_older_files() {
                     ..ListFilter::default()
                 })
                 .await,
-                ["ex_a", "ex_b", "ex_c"]
+                ["ex_0", "ex_a", "ex_b", "ex_c"]
+            );
+            // One page: the smallest id of any state comes first.
+            assert_eq!(
+                list(ListFilter {
+                    job: Some(JobFilter::Any),
+                    limit: 1,
+                    ..ListFilter::default()
+                })
+                .await,
+                ["ex_0"]
             );
             // Paged with the cursor across the job states.
             assert_eq!(
@@ -1036,7 +1047,7 @@ async fn external_ids_and_jobs_are_indexed_and_built_for_older_files() {
     check(&store).await;
     assert_eq!(
         tables::job_index_sizes(&store.shared.db().expect("open")),
-        [4, 3]
+        [5, 4]
     );
     // A job ends: its entry moves; a record deleted by gc takes its entries along.
     let mut b = store.get(&id("ex_b")).await.expect("get").expect("stored");
@@ -1050,7 +1061,7 @@ async fn external_ids_and_jobs_are_indexed_and_built_for_older_files() {
         })
         .await
         .expect("list");
-    assert_eq!(ids(failed), ["ex_b"]);
+    assert_eq!(ids(failed), ["ex_0", "ex_b"]);
     let mut b = store.get(&id("ex_b")).await.expect("get").expect("stored");
     b.job.as_mut().expect("job").state = Running;
     store.update(b).await.expect("update");
@@ -1061,11 +1072,11 @@ async fn external_ids_and_jobs_are_indexed_and_built_for_older_files() {
     let db = ::redb::Database::open(&path).expect("opens raw");
     tables::drop_job_indexes(&db);
     tables::create_all(&db, 2).expect("builds");
-    assert_eq!(tables::job_index_sizes(&db), [4, 3]);
+    assert_eq!(tables::job_index_sizes(&db), [5, 4]);
     drop(db);
     let store = RedbStore::open(&path).expect("opens");
     check(&store).await;
-    assert_eq!(store.gc(1_000, 100).await.expect("gc"), 4, "all but ex_e");
+    assert_eq!(store.gc(1_000, 100).await.expect("gc"), 5, "all but ex_e");
     assert_eq!(
         tables::job_index_sizes(&store.shared.db().expect("open")),
         [0, 0]
