@@ -903,3 +903,53 @@ async fn two_postgres_instances_poll_one_job_and_end_it_once() {
     let running = jobs(&c, &procs[0], "running").await;
     assert!(running.is_empty(), "{running:?}");
 }
+
+#[tokio::test]
+async fn a_held_event_settles_a_call_whose_instance_died_while_it_executed() {
+    let env = Env::new().await;
+    let proxy = env.start();
+    let c = client();
+    // The downstream takes 3 s; the proxy is killed while the call executes.
+    let charge = proxy.url("/pay/drop-after-commit/send?delay_ms=3000");
+    let call = {
+        let (c, charge) = (c.clone(), charge.clone());
+        tokio::spawn(async move {
+            post(
+                &c,
+                &charge,
+                &[("Idempotency-Key", "order-79")],
+                r#"{"amount":9}"#,
+            )
+            .await
+        })
+    };
+    wait_for_hit(&env.ds, "/drop-after-commit/send").await;
+    let exec = env
+        .ds
+        .last_headers("/drop-after-commit/send")
+        .and_then(|h| h.into_iter().find(|(k, _)| k == "idempotency-key"))
+        .map(|(_, v)| v)
+        .expect("the injected key");
+    let event = format!(
+        r#"{{"id":"evt_pi_79","type":"payment_intent.succeeded","data":{{"object":{{"id":"pi_79"}}}},"request":{{"idempotency_key":"{exec}"}}}}"#
+    );
+    let headers = signed("stripe", STRIPE_SECRET, "evt_pi_79", now_s(), &event);
+    let r = deliver(&c, &proxy.url("/stripe/send"), &headers, &event).await;
+    assert!(r.status.is_success(), "{r:?}");
+    proxy.kill();
+    let _ = call.await;
+    // The restarted instance finds the call executing under a dead owner: instead of
+    // outcome_unknown, the held event settles it; the retry is never re-sent.
+    let proxy = env.start();
+    let r = post(
+        &c,
+        &proxy.url("/pay/drop-after-commit/send?delay_ms=3000"),
+        &[("Idempotency-Key", "order-79")],
+        r#"{"amount":9}"#,
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK, "{r:?}");
+    assert_eq!(r.header("idempotency-reconciled"), Some("webhook"));
+    assert_eq!(r.json()["id"], "pi_79");
+    assert_eq!(env.ds.hits_on("/drop-after-commit/send"), 1);
+}
