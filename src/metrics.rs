@@ -33,6 +33,10 @@ pub struct Metrics {
     pub reconciliations: Family<ResultLabels, Counter>,
     /// Webhook deliveries by result (SPEC section 9.1).
     pub webhooks: Family<ResultLabels, Counter>,
+    /// Items of independent batches (SPEC section 9.3), by result: `sent` (sent and
+    /// committed for this request), `replayed` (answered from the item's record),
+    /// `stopped` (the item the batch stopped at: unknown, failed, refused).
+    pub batch_items: Family<ResultLabels, Counter>,
     pub unprotected: Family<RouteLabels, Counter>,
     /// Side-effect calls answered without sending, by why (`key_mismatch`, `in_flight`,
     /// `approval_required`).
@@ -65,6 +69,7 @@ impl Metrics {
         let outcome_unknown = Family::<RouteLabels, Counter>::default();
         let reconciliations = Family::<ResultLabels, Counter>::default();
         let webhooks = Family::<ResultLabels, Counter>::default();
+        let batch_items = Family::<ResultLabels, Counter>::default();
         let unprotected = Family::<RouteLabels, Counter>::default();
         let refusals = Family::<ResultLabels, Counter>::default();
         let approvals = Family::<ResultLabels, Counter>::default();
@@ -101,6 +106,11 @@ impl Metrics {
             webhooks.clone(),
         );
         registry.register(
+            "idemproxy_batch_items",
+            "Items of independent batches by result: sent, replayed, stopped",
+            batch_items.clone(),
+        );
+        registry.register(
             "idemproxy_unprotected",
             "Side-effect requests forwarded without a key (key_required: false)",
             unprotected.clone(),
@@ -133,6 +143,7 @@ impl Metrics {
             outcome_unknown,
             reconciliations,
             webhooks,
+            batch_items,
             unprotected,
             refusals,
             approvals,

@@ -224,7 +224,18 @@ async fn dispatch(
             ))
         }
         Endpoint::Show(id) => match store.get(&id).await? {
-            Some(r) => Ok(json(StatusCode::OK, &view::Detail::of(&r))),
+            Some(r) => {
+                let mut detail = view::Detail::of(&r);
+                if let Some(b) = &r.batch {
+                    let mut items = Vec::with_capacity(b.items.len());
+                    for item in &b.items {
+                        let state = store.get(item).await?.map(|c| c.state());
+                        items.push((item.to_string(), state));
+                    }
+                    detail.batch = Some(view::BatchView::of(items));
+                }
+                Ok(json(StatusCode::OK, &detail))
+            }
             None => Err(actions::ActionError::NotFound(id).into()),
         },
         Endpoint::Approve(id) => {

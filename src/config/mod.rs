@@ -366,6 +366,9 @@ pub struct Route {
     pub webhook: Option<std::sync::Arc<crate::policy::webhook::WebhookSpec>>,
     /// `job:` (side-effect routes): the job id pointer into the committed answer.
     pub job: Option<crate::policy::job::JobSpec>,
+    /// `batch:` (side-effect routes): the items, their keys and, in independent mode, the
+    /// route each item runs on.
+    pub batch: Option<std::sync::Arc<crate::policy::batch::BatchSpec>>,
 }
 
 #[derive(Debug, Clone)]

@@ -146,6 +146,25 @@ pub struct RawRoute {
     pub external_id: Option<String>,
     pub webhook: Option<RawWebhook>,
     pub job: Option<RawJob>,
+    pub batch: Option<RawBatch>,
+}
+
+/// `batch:` on a side-effect route (SPEC section 9.3).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawBatch {
+    pub items: Option<String>,
+    pub mode: Option<String>,
+    pub item_key: Option<String>,
+    pub each: Option<RawEach>,
+    pub max_items: Option<usize>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawEach {
+    pub method: Option<String>,
+    pub path: Option<String>,
 }
 
 /// `job:` on a side-effect route (SPEC section 9.2).

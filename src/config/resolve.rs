@@ -784,6 +784,7 @@ impl Validator {
             external_id: Some("/id".into()),
             webhook: None,
             job: None,
+            batch: None,
         };
         let mcp = match u.protocol.as_deref() {
             None | Some("http") => {
@@ -1184,6 +1185,9 @@ impl Validator {
                 }
             }
         });
+        let batch = r
+            .batch
+            .and_then(|b| self.batch(&format!("{path}.batch"), b, class, job.is_some()));
         let downstream_key = match r.downstream_key {
             None if class == Class::Webhook => Some(DownstreamKey {
                 header: HeaderName::from_static("idempotency-key"),
@@ -1312,7 +1316,7 @@ impl Validator {
             }
             None => Some("/id".to_string()),
         };
-        Some(Route {
+        let mut route = Route {
             external_id,
             name,
             method,
@@ -1331,7 +1335,138 @@ impl Validator {
             timeout,
             webhook,
             job,
-        })
+            batch: None,
+        };
+        if let Some((mut spec, each)) = batch {
+            // An item goes downstream as a call of its own on the batch route's terms;
+            // the batch's approval covers it, and the batch body's pointers do not apply.
+            spec.each = each.map(|(method, each_path)| {
+                let mut item = route.clone();
+                item.method = Some(method);
+                item.path = each_path;
+                item.approval = None;
+                item.job = None;
+                item.fingerprint.ignore_json.clear();
+                std::sync::Arc::new(item)
+            });
+            route.batch = Some(std::sync::Arc::new(spec));
+        }
+        Some(route)
+    }
+
+    /// A side-effect route's `batch:` block (SPEC section 9.3), with the `each` request of
+    /// an independent batch (method, literal path).
+    fn batch(
+        &mut self,
+        path: &str,
+        b: RawBatch,
+        class: Class,
+        job: bool,
+    ) -> Option<(crate::policy::batch::BatchSpec, Option<(Method, String)>)> {
+        use crate::policy::batch::{BatchSpec, Mode};
+        if class != Class::SideEffect {
+            self.err(path, "only meaningful on side_effect routes");
+            return None;
+        }
+        let items = match b.items {
+            Some(p) => {
+                self.pointer(&format!("{path}.items"), &p);
+                p
+            }
+            None => {
+                self.err(
+                    format!("{path}.items"),
+                    "missing: the JSON pointer to the array of items (e.g. /messages)",
+                );
+                return None;
+            }
+        };
+        let mode = self.one_of(
+            &format!("{path}.mode"),
+            b.mode.as_deref(),
+            Mode::Atomic,
+            &[("independent", Mode::Independent), ("atomic", Mode::Atomic)],
+        );
+        if b.mode.is_none() {
+            self.err(
+                format!("{path}.mode"),
+                "missing: independent (an execution per item) or atomic (one execution)",
+            );
+        }
+        if let Some(p) = &b.item_key {
+            self.pointer(&format!("{path}.item_key"), p);
+        }
+        let max_items = b.max_items.unwrap_or(100);
+        if max_items == 0 || max_items > 10_000 {
+            self.err(
+                format!("{path}.max_items"),
+                format!("expected 1..=10000 items, found {max_items}"),
+            );
+        }
+        let each = match (mode, b.each) {
+            (Mode::Atomic, Some(_)) => {
+                self.err(
+                    format!("{path}.each"),
+                    "only meaningful in independent mode (an atomic batch is sent as is)",
+                );
+                None
+            }
+            (Mode::Atomic, None) => None,
+            (Mode::Independent, None) => {
+                self.err(
+                    format!("{path}.each"),
+                    "missing: how one item is sent downstream (e.g. { method: POST, path: /send })",
+                );
+                return None;
+            }
+            (Mode::Independent, Some(e)) => {
+                if job {
+                    self.err(
+                        format!("{path}.mode"),
+                        "an independent batch cannot also start a job (job:); use atomic",
+                    );
+                }
+                let method = match e.method.as_deref().unwrap_or("POST") {
+                    m @ ("POST" | "PUT" | "PATCH" | "DELETE") => {
+                        Method::from_bytes(m.as_bytes()).expect("literal methods")
+                    }
+                    other => {
+                        self.err(
+                            format!("{path}.each.method"),
+                            format!("expected POST | PUT | PATCH | DELETE, found `{other}`"),
+                        );
+                        Method::POST
+                    }
+                };
+                match e.path {
+                    Some(p) if p.starts_with('/') && !p.contains(['?', '{', '}']) => {
+                        self.normal_path(&format!("{path}.each.path"), &p);
+                        Some((method, p))
+                    }
+                    Some(p) => {
+                        self.err(
+                            format!("{path}.each.path"),
+                            format!("expected a literal path starting with / (no query, no parameters), found `{p}`"),
+                        );
+                        None
+                    }
+                    None => {
+                        self.err(format!("{path}.each.path"), "missing (e.g. /send)");
+                        None
+                    }
+                }
+            }
+        };
+        Some((
+            BatchSpec {
+                items,
+                mode,
+                item_key: b.item_key,
+                max_items: max_items.clamp(1, 10_000),
+                each: None,
+            },
+            each,
+        ))
     }
 
     /// A webhook route's `webhook:` block (SPEC section 9.1). The secret is read from the

@@ -218,6 +218,22 @@ pub fn execution_id(tenant: &TenantScope, upstream: &str, route: &str, key: &str
     ExecutionId(format!("ex_{b64}"))
 }
 
+/// The execution id of item `item_key` of the batch executing as `parent` (SPEC section
+/// 9.3): the parent's id (tenant, upstream, route and key are in it) and the item key,
+/// length-prefixed like [`execution_id`]. Three parts where a call's id has four, so no
+/// client key can name an item's execution: a length-prefixed encoding reads back into
+/// exactly one list of parts.
+pub fn item_execution_id(parent: &ExecutionId, item_key: &str) -> ExecutionId {
+    let mut h = Sha256::new();
+    for part in ["batch-item", parent.as_str(), item_key] {
+        h.update((part.len() as u64).to_be_bytes());
+        h.update(part.as_bytes());
+    }
+    let digest = h.finalize();
+    let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(&digest[..18]);
+    ExecutionId(format!("ex_{b64}"))
+}
+
 /// The parent operation id, from the trusted operation header.
 pub fn operation_id(headers: &HeaderMap, id: &IdentityConfig) -> Option<String> {
     let h = id.operation_from.as_ref()?;

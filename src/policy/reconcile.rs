@@ -425,6 +425,7 @@ mod tests {
             external_id: Some("/id".into()),
             webhook: None,
             job: None,
+            batch: None,
         }
     }
 

@@ -2,6 +2,7 @@
 //! or run it under an execution record (side effect). This module owns the shared state
 //! of a running proxy; the phases live in [`side_effect`] and [`passthrough`].
 
+mod batch;
 mod downstream;
 pub mod mcp;
 pub mod passthrough;

@@ -20,6 +20,7 @@ use super::{downstream, passthrough, reconcile as lookup, replay, Proxy, Runtime
 use crate::config::{Concurrent, Config, On5xx, Route};
 use crate::failpoint;
 use crate::metrics::{Metrics, RouteLabels};
+use crate::policy::batch;
 use crate::policy::classify::Target;
 use crate::policy::fingerprint::{
     args_hash, raw_digest, AmbiguousBody, CallScope, RawDigest, RequestParts,
@@ -365,6 +366,34 @@ pub async fn run(
             .into_response()
         }
     };
+    if let Some(spec) = target.route.batch.as_deref() {
+        match spec.mode {
+            batch::Mode::Independent => {
+                // Boxed: a batch's future holds its items' calls.
+                return Box::pin(super::batch::run(super::batch::Call {
+                    proxy,
+                    rt,
+                    client,
+                    target,
+                    spec,
+                    parts,
+                    body,
+                    id,
+                    tenant,
+                    args,
+                    peer,
+                    queue,
+                }))
+                .await;
+            }
+            // One execution as any call; only the size is the batch's business.
+            batch::Mode::Atomic => {
+                if let Err(r) = batch::check_size(spec, &body) {
+                    return super::batch::refused(r);
+                }
+            }
+        }
+    }
     let call = Call {
         proxy,
         rt,
@@ -421,6 +450,35 @@ pub(super) trait Protocol: Send + Sync {
     fn operation_id(&self) -> Option<String> {
         None
     }
+    /// What the protocol adds to a new record (a batch's items, an item's parent).
+    fn decorate(&self, _record: &mut Record) {}
+    /// Run the call some other way than one downstream request, under the record the
+    /// core made durably `executing` (an independent batch runs its items, each an
+    /// execution of its own). `None`: send the request.
+    fn perform(
+        &self,
+    ) -> Option<std::pin::Pin<Box<dyn std::future::Future<Output = Performed> + Send + '_>>> {
+        None
+    }
+    /// Whether running the call again is always safe, whatever the last attempt did (a
+    /// batch whose items keep their own records): an `outcome_unknown` retry runs again
+    /// instead of being reconciled.
+    fn resumable(&self) -> bool {
+        false
+    }
+}
+
+/// How a [`Protocol::perform`] ended.
+pub(super) enum Performed {
+    /// Done: this answer is committed on the record.
+    Answer(StoredResponse),
+    /// Stopped part way: the record moves by `event` (`lose_outcome` or
+    /// `fail_before_commit`) for `why`, and the client gets `answer`.
+    Stopped {
+        event: Event,
+        why: String,
+        answer: Response<ProxyBody>,
+    },
 }
 
 /// A downstream answer as a [`Protocol`] judges it.
@@ -673,13 +731,21 @@ impl Call<'_> {
             path: self.target.rel_path.clone(),
             query: self.parts.uri.query().map(str::to_string),
             path_params: self.target.params.clone(),
-            preview: route
-                .approval
-                .as_ref()
-                .map(|a| preview(self.preview_source(), &a.preview)),
+            preview: route.approval.as_ref().map(|a| {
+                let mut p = preview(self.preview_source(), &a.preview);
+                // An approver of a batch sees how many items it carries (SPEC section 9.3).
+                if let (Some(b), serde_json::Value::Object(m)) = (&route.batch, &mut p) {
+                    let n = batch::count(b, self.preview_source());
+                    m.insert("items".into(), n.into());
+                }
+                p
+            }),
             now_ms: now,
             expires_at_ms: now.saturating_add(route.retention.as_millis() as i64),
         });
+        if let Some(p) = self.proto {
+            p.decorate(&mut r);
+        }
         let needs_approval = route.approval.as_ref().is_some_and(|a| a.required);
         let event = if needs_approval {
             Event::RequestApproval
@@ -914,7 +980,12 @@ impl Call<'_> {
     async fn reconcile(&self, record: Record) -> Step {
         let route = self.route();
         let (upstream_name, route_name) = (&self.target.upstream.name, &route.name);
-        match reconcile::plan(route) {
+        let plan = if self.proto.is_some_and(|p| p.resumable()) {
+            Plan::Resend
+        } else {
+            reconcile::plan(route)
+        };
+        match plan {
             Plan::Resend => {
                 // A re-send may create the effect if the first attempt never did: not
                 // under an operation that was cancelled meanwhile.
@@ -1183,6 +1254,16 @@ impl Call<'_> {
             _ => self.body.clone(),
         };
         tracing::info!(execution_id = %self.id, upstream = %upstream.name, route = %route.name, attempt = record.attempts, resend = mode == SendMode::Resend, "executing");
+        if let Some(work) = self.proto.and_then(|p| p.perform()) {
+            return match work.await {
+                Performed::Answer(stored) => self.finish_committed(record, stored).await,
+                Performed::Stopped { event, why, answer } => {
+                    tracing::warn!(execution_id = %self.id, reason = %why, event = event.as_str(), "stopped part way");
+                    self.record_outcome(record, event, &why).await;
+                    answer
+                }
+            };
+        }
         self.metrics().attempts.get_or_create(&self.labels()).inc();
         let started = tokio::time::Instant::now();
         // Executor retries: only a send that provably never left (connect, DNS, TLS) is
@@ -1235,21 +1316,9 @@ impl Call<'_> {
                     // original request with this key is still being processed.
                     return self.finish_still_in_flight(record).await;
                 }
+                let status = rparts.status;
                 let (stored, server_error) = match self.proto {
-                    None => {
-                        let server_error = rparts.status.is_server_error();
-                        let mut rheaders = rparts.headers;
-                        downstream::stored_headers(&mut rheaders);
-                        let stored = StoredResponse {
-                            status: rparts.status.as_u16(),
-                            headers: rheaders
-                                .iter()
-                                .map(|(n, v)| (n.as_str().to_string(), v.as_bytes().to_vec()))
-                                .collect(),
-                            body: bytes.to_vec(),
-                        };
-                        (stored, server_error)
-                    }
+                    None => http_answer(&rparts, &bytes),
                     Some(p) => match p.judge(&rparts, &bytes) {
                         Judged::Answer {
                             stored,
@@ -1266,16 +1335,13 @@ impl Call<'_> {
                         On5xx::Committed => self.finish_committed(record, stored).await,
                         On5xx::FailedBeforeCommit => {
                             let why = format!(
-                                "downstream answered {} (on_5xx: failed_before_commit)",
-                                rparts.status
+                                "downstream answered {status} (on_5xx: failed_before_commit)"
                             );
                             self.finish_failed(record, why, Some(stored)).await
                         }
                         On5xx::OutcomeUnknown => {
-                            let why = format!(
-                                "downstream answered {} (on_5xx: outcome_unknown)",
-                                rparts.status
-                            );
+                            let why =
+                                format!("downstream answered {status} (on_5xx: outcome_unknown)");
                             self.finish_5xx_unknown(record, why, stored).await
                         }
                     }
@@ -1539,7 +1605,24 @@ where
     Ok(all.freeze())
 }
 
-fn stored_response(stored: &StoredResponse, id: &ExecutionId) -> Response<ProxyBody> {
+/// A plain HTTP answer as it is stored: its status, its headers but those that framed or
+/// routed this one exchange, its body; and whether it is a server error (`on_5xx`).
+pub(super) fn http_answer(rparts: &http::response::Parts, bytes: &Bytes) -> (StoredResponse, bool) {
+    let server_error = rparts.status.is_server_error();
+    let mut rheaders = rparts.headers.clone();
+    downstream::stored_headers(&mut rheaders);
+    let stored = StoredResponse {
+        status: rparts.status.as_u16(),
+        headers: rheaders
+            .iter()
+            .map(|(n, v)| (n.as_str().to_string(), v.as_bytes().to_vec()))
+            .collect(),
+        body: bytes.to_vec(),
+    };
+    (stored, server_error)
+}
+
+pub(super) fn stored_response(stored: &StoredResponse, id: &ExecutionId) -> Response<ProxyBody> {
     let (status, headers) = replay::response_head(stored, id);
     let mut resp = Response::new(body::full(Bytes::from(stored.body.clone())));
     *resp.status_mut() = status;

@@ -65,6 +65,20 @@ pub struct WebhookEvent {
 
 /// A background job started by the call (SPEC section 9.2). Its state moves only through
 /// [`crate::policy::job::advance`]; the record's own state and stored answer stay as they are.
+/// The parent record of an independent batch: what each item's record is.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Batch {
+    /// The item executions, in request order.
+    pub items: Vec<ExecutionId>,
+}
+
+/// Where an item's record belongs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ItemOf {
+    pub parent: ExecutionId,
+    pub index: usize,
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Job {
     pub id: String,
@@ -137,6 +151,13 @@ pub struct Record {
     /// The background job this call started (SPEC section 9.2), on `job:` routes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub job: Option<Job>,
+    /// The parent of an independent batch (SPEC section 9.3): its items' executions in
+    /// request order. Item keys are argument values and are not kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch: Option<Batch>,
+    /// An item of an independent batch: the batch's execution and the item's place in it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub item_of: Option<ItemOf>,
     /// The request body as first sent, kept only on routes whose downstream replays keyed
     /// requests: a re-send under the same key must be byte-identical to the original (such
     /// downstreams compare, and reject a reused key with a changed body), even when the
@@ -231,6 +252,8 @@ impl Record {
             history: Vec::new(),
             events: Vec::new(),
             job: None,
+            batch: None,
+            item_of: None,
             sent_body: None,
             send_age: ReadAge(None),
         }
