@@ -910,6 +910,16 @@ impl Validator {
                     ok = false;
                 }
             }
+            if t.batch
+                .as_ref()
+                .is_some_and(|b| b.mode.as_deref() == Some("independent"))
+            {
+                self.err(
+                    format!("{tp}.batch.mode"),
+                    "an MCP tool's batch is atomic (one tools/call, one execution; items relative to `arguments`): a server's tool has no per-item request to send each item with",
+                );
+                ok = false;
+            }
             if !ok {
                 continue;
             }

@@ -538,6 +538,7 @@ pub fn error_code(problem: &str) -> i64 {
         "upstream-unavailable" | "upstream-timeout" => -32012,
         "response-too-large" => -32013,
         "tool-rejected" => -32014,
+        "batch-invalid" | "batch-too-large" | "batch-duplicate-item" => -32015,
         _ => -32000,
     }
 }

@@ -481,6 +481,13 @@ async fn tool_call(
             return rpc.decision(p.into_response()).await;
         }
     };
+    // An atomic batch tool (SPEC section 9.3, items relative to `arguments`): one
+    // execution, only its size is the batch's business.
+    if let Some(b) = route.batch.as_deref() {
+        if let Err(r) = crate::policy::batch::check_size(b, &rpc.arguments) {
+            return rpc.decision(super::batch::refused(r)).await;
+        }
+    }
     let tenant = identity::tenant_scope(&parts.headers, &cfg.identity.tenant_from);
     let id = identity::execution_id(&tenant, &target.upstream.name, &route.name, &key);
     rpc.lookup = mcp
