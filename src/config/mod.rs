@@ -597,6 +597,17 @@ fn side_effect_details(details: &mut Vec<String>, r: &Route) {
     if r.approval.as_ref().is_some_and(|a| a.required) {
         details.push("approval".into());
     }
+    if let Some(b) = &r.batch {
+        details.push(match &b.each {
+            Some(each) => format!(
+                "batch=independent({} items, each {} {})",
+                b.items,
+                each.method.as_ref().map_or("POST", |m| m.as_str()),
+                each.path
+            ),
+            None => format!("batch={}({} items)", b.mode.as_str(), b.items),
+        });
+    }
     details.push(format!(
         "retention={}",
         humantime::format_duration(r.retention)
