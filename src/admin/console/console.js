@@ -264,6 +264,10 @@ function detailView(r) {
     ["Stored answer", r.response ? `HTTP ${r.response.status}` : "—"],
     ["Note", r.note || "—"],
   ];
+  if (r.item_of) {
+    rows.push(["Batch item", el("span", {}, `item ${r.item_of.index} of `,
+      el("a", { href: "#", class: "exec-link", onclick: (ev) => { ev.preventDefault(); search(r.item_of.parent); } }, r.item_of.parent))]);
+  }
   const dl = el("dl", { class: "detail" });
   for (const [k, v] of rows) dl.append(el("dt", {}, k), el("dd", {}, v));
   const history = el("table", { class: "history" },
@@ -273,11 +277,26 @@ function detailView(r) {
   const card = el("article", { class: "card", "data-id": r.execution_id },
     el("h3", {}, r.execution_id), dl,
     r.preview ? [el("h4", {}, "Preview"), previewList(r.preview)] : null,
+    r.batch ? [el("h4", {}, "Batch items"), batchView(r.batch)] : null,
     r.response ? [el("h4", {}, "Stored answer"), answerView(r.response)] : null,
     el("h4", {}, "History"), history);
   if (r.state === "awaiting_approval") card.append(approvalCard(r).querySelector(".actions"));
   if (r.state === "outcome_unknown") card.append(unknownCard(r).querySelector(".actions"));
   return card;
+}
+
+// An independent batch's items in order, each with its state and a link to its record
+// (docs/BATCHES.md); "not sent" where the batch stopped before the item.
+function batchView(b) {
+  const summary = el("p", { class: "batch-summary" },
+    `${b.committed} committed, ${b.unknown} unknown, ${b.not_sent} not sent`);
+  const table = el("table", { class: "batch" },
+    el("thead", {}, el("tr", {}, el("th", {}, "#"), el("th", {}, "Execution"), el("th", {}, "State"))),
+    el("tbody", {}, b.items.map((i) => el("tr", {},
+      el("td", {}, String(i.index)),
+      el("td", {}, el("a", { href: "#", class: "exec-link", onclick: (ev) => { ev.preventDefault(); search(i.execution_id); } }, i.execution_id)),
+      el("td", {}, i.state ? el("span", { class: `state ${i.state}` }, i.state.replaceAll("_", " ")) : "not sent")))));
+  return el("div", { class: "batch-items" }, summary, table);
 }
 
 // The stored answer as an operator reads it: status, headers as a table, the body
