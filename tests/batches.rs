@@ -41,6 +41,11 @@ upstreams:
         match: {{ method: POST, path: /batch/lookup }}
         {LOOKUP}
         batch: {{ items: /messages, mode: independent, item_key: /to, each: {{ path: /send }} }}
+      - name: send_many_slow
+        match: {{ method: POST, path: /batch/slow }}
+        timeout: 300ms
+        {LOOKUP}
+        batch: {{ items: /messages, mode: independent, item_key: /to, each: {{ path: /timeout-after-commit/send }} }}
       - name: send_many_blind
         match: {{ method: POST, path: /batch/blind }}
         batch: {{ items: /messages, mode: independent, each: {{ path: /send }} }}
@@ -281,6 +286,51 @@ async fn an_approval_covers_the_whole_batch_and_previews_its_size() {
     let r = call(&c, &proxy, "approve", "k-pay", &more).await;
     assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY);
     assert_eq!(ds.commits(), 2);
+}
+
+/// An item that times out (the downstream commits, then never answers) stops the batch:
+/// the answer names it and nothing after it is sent; the next retry settles it by the
+/// lookup and goes on.
+#[tokio::test]
+async fn a_timed_out_item_stops_the_batch_and_the_retry_settles_it() {
+    let ds = FakeDownstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = start(dir.path(), &config(&redb(dir.path()), &ds.url()), &[]);
+    let c = client();
+    let body = messages(2);
+    let first = call(&c, &proxy, "slow", "k-slow", &body).await;
+    assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT, "{first:?}");
+    assert_eq!(
+        first.problem_type(),
+        "urn:idemproxy:problem:outcome-unknown"
+    );
+    assert_eq!(first.json()["item"], 0, "{first:?}");
+    assert_eq!(first.header("idempotency-status"), Some("outcome_unknown"));
+    assert_eq!(
+        ds.hits_on("/timeout-after-commit/send"),
+        1,
+        "item 1 was not sent"
+    );
+    let mut answer = None;
+    for _ in 0..40 {
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        let r = call(&c, &proxy, "slow", "k-slow", &body).await;
+        if r.status == StatusCode::OK {
+            answer = Some(r);
+            break;
+        }
+        assert!(
+            r.json()["item"].is_number(),
+            "every stop names its item: {r:?}"
+        );
+    }
+    let got = items(&answer.expect("the batch finished"));
+    assert_eq!(got.len(), 2);
+    each_once(&ds, 2);
+    // Each item's answer is what the lookup found: its committed message.
+    for item in &got {
+        assert_eq!(item["body"]["key"], item["execution_id"], "{item}");
+    }
 }
 
 /// A batch killed at `failpoint` (SIGKILL), restarted on the same store and retried: every

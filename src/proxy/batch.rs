@@ -64,15 +64,13 @@ pub(super) struct Call<'a> {
 
 /// Run an independent batch: the parent through the core, its items inside it.
 pub(super) async fn run(call: Call<'_>) -> Response<ProxyBody> {
-    let (Some(each), Ok(items)) = (
-        call.spec.each.as_deref(),
-        batch::items(call.spec, &call.body),
-    ) else {
-        return match batch::items(call.spec, &call.body) {
-            Err(r) => refused(r),
-            Ok(_) => Problem::new(Kind::Internal, "independent batch without an `each` route")
-                .into_response(),
-        };
+    let items = match batch::items(call.spec, &call.body) {
+        Ok(items) => items,
+        Err(r) => return refused(r),
+    };
+    let Some(each) = call.spec.each.as_deref() else {
+        return Problem::new(Kind::Internal, "independent batch without an `each` route")
+            .into_response();
     };
     let ids = items
         .iter()
