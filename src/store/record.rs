@@ -93,6 +93,16 @@ pub struct Record {
     /// Parent operation (from the trusted operation header), for cancellation.
     #[serde(default)]
     pub operation_id: Option<String>,
+    /// The model round the call came from (`identity.model_round_from`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_round: Option<String>,
+    /// The provider's tool call id (`identity.tool_call_from`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// The idempotency key as the proxy read it: the client's key (unquoted), or the key
+    /// joined from the `derive_from` headers or `_meta` fields. Ids only, never arguments.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
     pub args_hash: ArgsHash,
     pub method: String,
     /// Path relative to the mount, and the raw query, as first received.
@@ -210,6 +220,9 @@ impl Record {
             route: n.route,
             tool_version: n.tool_version,
             operation_id: n.operation_id,
+            model_round: None,
+            tool_call_id: None,
+            key: None,
             args_hash: n.args_hash,
             method: n.method,
             path: n.path,
