@@ -128,6 +128,7 @@ fn route(method: &Method, path: &str) -> Result<Endpoint, AdminError> {
         [""] => ("GET", Endpoint::Console("index.html")),
         ["console.js"] => ("GET", Endpoint::Console("console.js")),
         ["console.css"] => ("GET", Endpoint::Console("console.css")),
+        ["favicon.ico"] => ("GET", Endpoint::Console("favicon.ico")),
         ["healthz"] => ("GET", Endpoint::Healthz),
         ["readyz"] => ("GET", Endpoint::Readyz),
         ["metrics"] => ("GET", Endpoint::Metrics),
