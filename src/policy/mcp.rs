@@ -591,6 +591,33 @@ mod tests {
         assert_eq!(v["id"], 7);
     }
 
+    /// `_meta` names operation, model round and tool call as `derive_from_meta` orders them.
+    #[test]
+    fn correlation_from_meta() {
+        let body = br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"send","_meta":{"o":"op_1","r":"round_2","c":" call_3 "}}}"#;
+        let Message::ToolCall(call) = parse(body) else {
+            panic!("a tools/call")
+        };
+        let yaml = |fields: &str| {
+            crate::config::from_yaml(
+                &format!("identity: {{ derive_from_meta: [{fields}] }}\nupstreams:\n  - {{ name: m, url: http://127.0.0.1:1, routes: [] }}\n"),
+                std::path::Path::new("t.yaml"),
+            )
+            .expect("valid")
+            .identity
+        };
+        let all = correlation(&call, &yaml("o, r, c"));
+        assert_eq!(all.operation_id.as_deref(), Some("op_1"));
+        assert_eq!(all.model_round.as_deref(), Some("round_2"));
+        assert_eq!(all.tool_call_id.as_deref(), Some("call_3"));
+        let two = correlation(&call, &yaml("o, c"));
+        assert_eq!(
+            (two.model_round, two.tool_call_id.as_deref()),
+            (None, Some("call_3"))
+        );
+        assert_eq!(correlation(&call, &yaml("o")).tool_call_id, None);
+    }
+
     #[test]
     fn other_messages_and_batches() {
         assert!(matches!(
