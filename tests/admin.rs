@@ -776,6 +776,12 @@ async fn executions_are_found_by_tool_call_key_route_and_time() {
         ),
         (format!("since={t0}&until={t1}"), &["a", "b", "c", "d"]),
         (format!("since={t1}"), &[]),
+        // RFC 3339 too: everything was made after 2001, nothing before.
+        (
+            "since=2001-01-01T00:00:00Z".to_string(),
+            &["a", "b", "c", "d"],
+        ),
+        ("until=2001-01-01T00:00:00Z".to_string(), &[]),
         (format!("until={t0}&upstream=mail"), &[]),
         ("tool_call=call_zzz".to_string(), &[]),
     ] {

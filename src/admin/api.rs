@@ -415,11 +415,20 @@ fn list_filter(query: Option<&str>) -> Result<ListFilter, AdminError> {
             Ok(Some(v.to_string()))
         };
         let time = |v: &str| -> Result<Option<i64>, AdminError> {
-            v.parse::<i64>()
-                .ok()
-                .filter(|t| *t >= 0)
-                .map(Some)
-                .ok_or_else(|| bad("must be a time in milliseconds since the Unix epoch".into()))
+            let ms = match v.parse::<i64>() {
+                Ok(ms) => Some(ms).filter(|t| *t >= 0),
+                Err(_) => humantime::parse_rfc3339_weak(v).ok().and_then(|t| {
+                    let since = t.duration_since(std::time::UNIX_EPOCH).ok()?;
+                    i64::try_from(since.as_millis()).ok()
+                }),
+            };
+            ms.map(Some).ok_or_else(|| {
+                bad(
+                    "must be milliseconds since the Unix epoch or an RFC 3339 time \
+                     (2026-12-07T14:00:00Z)"
+                        .into(),
+                )
+            })
         };
         match k.as_ref() {
             "status" => filter.status = Some(State::from_str(&v).map_err(bad)?),
