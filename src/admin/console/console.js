@@ -361,7 +361,9 @@ async function loadExecutions(after) {
       out.replaceChildren(el("p", { class: "muted" }, after ? "No more executions." : "No execution matches."));
       return;
     }
-    const rows = page.items.map((r) => {
+    // Pages follow the execution id (a stable cursor); within a page, newest first.
+    const items = [...page.items].sort((a, b) => b.created_at_ms - a.created_at_ms);
+    const rows = items.map((r) => {
       const open = el("button", { type: "button", class: "link" }, r.execution_id);
       open.addEventListener("click", () => { $("search-id").value = r.execution_id; search(r.execution_id); });
       return el("tr", { "data-id": r.execution_id },
