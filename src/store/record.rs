@@ -434,6 +434,29 @@ pub(crate) mod tests {
         assert_eq!(r.history.len(), 2);
     }
 
+    /// A record stored before the correlation fields decodes with them absent.
+    #[test]
+    fn a_record_from_before_the_correlation_fields_decodes() {
+        let mut v: serde_json::Value = serde_json::from_slice(&sample().to_bytes()).unwrap();
+        let obj = v.as_object_mut().expect("an object");
+        assert!(!obj.contains_key("key"), "absent fields are not written");
+        obj.remove("model_round");
+        let back =
+            Record::from_bytes("ex_test", &serde_json::to_vec(&v).unwrap()).expect("decodes");
+        assert_eq!(
+            (back.model_round, back.tool_call_id, back.key),
+            (None, None, None)
+        );
+        let mut r = sample();
+        r.model_round = Some("round_3".into());
+        r.tool_call_id = Some("call_1".into());
+        r.key = Some("k".into());
+        assert_eq!(
+            Record::from_bytes("ex_test", &r.to_bytes()).expect("decodes"),
+            r
+        );
+    }
+
     #[test]
     fn round_trips_binary_headers_and_body() {
         let mut r = sample();
