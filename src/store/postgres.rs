@@ -1398,6 +1398,104 @@ mod tests {
         .await;
     }
 
+    /// Each search filter is answered through its index, not a scan of the table: the
+    /// plans of `list`'s own statements over 20,000 rows.
+    #[tokio::test]
+    async fn search_filters_use_their_indexes() {
+        with_schema(|url, schema| async move {
+            let s = store(&url, &schema).await;
+            let q = schema::quote(&schema);
+            let client = raw_client(&url).await;
+            let body = record("ex_x", "op", NOW).to_bytes();
+            client
+                .execute(
+                    &format!(
+                        "INSERT INTO {q}.records (id, version, state, operation_id, expires_at_ms, \
+                         created_at_ms, body, upstream, route, tool_call_id, idem_key) \
+                         SELECT 'ex_' || lpad(i::text, 6, '0'), 1, 'result_delivered', \
+                         'op_' || (i % 500), 1, 1000000 + i, $1, 'up_' || (i % 4), \
+                         'route_' || (i % 40), 'call_' || i, 'key_' || i \
+                         FROM generate_series(1, 20000) AS i"
+                    ),
+                    &[&body],
+                )
+                .await
+                .expect("insert rows");
+            client
+                .batch_execute(&format!("ANALYZE {q}.records"))
+                .await
+                .expect("analyze");
+            let text = |v: &str| Some(v.to_string());
+            for (filter, index) in [
+                (
+                    ListFilter {
+                        tool_call: text("call_77"),
+                        ..ListFilter::default()
+                    },
+                    "records_tool_call_idx",
+                ),
+                (
+                    ListFilter {
+                        key: text("key_77"),
+                        ..ListFilter::default()
+                    },
+                    "records_key_idx",
+                ),
+                (
+                    ListFilter {
+                        upstream: text("up_1"),
+                        route: text("route_5"),
+                        ..ListFilter::default()
+                    },
+                    "records_route_idx",
+                ),
+                (
+                    ListFilter {
+                        route: text("route_5"),
+                        ..ListFilter::default()
+                    },
+                    "records_route_name_idx",
+                ),
+                (
+                    ListFilter {
+                        since: Some(1_000_100),
+                        until: Some(1_000_200),
+                        ..ListFilter::default()
+                    },
+                    "records_created_idx",
+                ),
+            ] {
+                let filter = ListFilter {
+                    limit: 50,
+                    ..filter
+                };
+                let sql = format!("EXPLAIN {}", s.sql.list(&filter));
+                let status = filter.status.map(State::as_str);
+                let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> =
+                    list_conditions(&filter, &status)
+                        .into_iter()
+                        .map(|(_, p)| p)
+                        .collect();
+                let limit = db_limit(filter.limit);
+                params.push(&limit);
+                let plan: Vec<String> = client
+                    .query(&sql, &params)
+                    .await
+                    .expect("explain")
+                    .iter()
+                    .map(|r| r.get::<_, String>(0))
+                    .collect();
+                let plan = plan.join("\n");
+                assert!(
+                    plan.contains(index),
+                    "{filter:?} does not use {index}:\n{plan}"
+                );
+                assert!(!plan.contains("Seq Scan"), "{filter:?} scans:\n{plan}");
+            }
+        })
+        .await;
+    }
+
     /// Rows an older build wrote (schema version 3) get their upstream and route from
     /// their body when migration 4 runs, and are found by them.
     #[tokio::test]
