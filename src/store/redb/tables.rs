@@ -184,6 +184,8 @@ where
 
     /// The record at `place`, which [`RECORD_IDS`] gave for `id`.
     fn load_at(&self, id: &str, place: u64) -> StoreResult<Record> {
+        #[cfg(test)]
+        LOADS.with(|n| n.set(n.get() + 1));
         match self.data.get(place).map_err(storage)? {
             Some(bytes) => Record::from_bytes(id, bytes.value()),
             None => Err(dangling("id", id)),
@@ -601,6 +603,12 @@ impl<'t> WriteTables<'t> {
         }
         self.search.remove(record)
     }
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Records decoded on this thread (tests count what a listing reads).
+    pub(super) static LOADS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
 /// The number of entries in each table (records, status, expiry, operation), for tests
