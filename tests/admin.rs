@@ -961,6 +961,26 @@ async fn metrics_count_a_replay() {
     }
 }
 
+/// Read-only requests are counted by route, on the listener's fast path and on hyper's.
+#[tokio::test(flavor = "multi_thread")]
+async fn metrics_count_read_only_requests() {
+    for fast in ["1", "0"] {
+        let (_dir, _ds, proxy) = setup_with_env(&[("IDEMPROXY_FAST_PATH", fast)]).await;
+        let c = client();
+        for _ in 0..3 {
+            let r = send(&c, Method::GET, &proxy.url("/mail/messages"), &[TENANT], "").await;
+            assert!(r.status.is_success() || r.status.is_client_error(), "{r:?}");
+        }
+        let text =
+            String::from_utf8_lossy(&admin_get(&c, &proxy, "/metrics").await.body).to_string();
+        let line = "idemproxy_read_only_total{upstream=\"mail\",route=\"unmatched_read\"} 3";
+        assert!(
+            text.lines().any(|l| l == line),
+            "fast path {fast}: missing {line:?} in\n{text}"
+        );
+    }
+}
+
 /// Refusals (key mismatch, approval required) and approvals are counted by route.
 #[tokio::test(flavor = "multi_thread")]
 async fn metrics_count_refusals_and_approvals() {
