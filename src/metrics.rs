@@ -38,6 +38,9 @@ pub struct Metrics {
     /// `stopped` (the item the batch stopped at: unknown, failed, refused).
     pub batch_items: Family<ResultLabels, Counter>,
     pub unprotected: Family<RouteLabels, Counter>,
+    /// Read-only requests forwarded (the request path bumps a handle resolved once per
+    /// route, `proxy::Runtime::count_with`).
+    pub read_only: Family<RouteLabels, Counter>,
     /// Side-effect calls answered without sending, by why (`key_mismatch`, `in_flight`,
     /// `approval_required`).
     pub refusals: Family<ResultLabels, Counter>,
@@ -71,6 +74,7 @@ impl Metrics {
         let webhooks = Family::<ResultLabels, Counter>::default();
         let batch_items = Family::<ResultLabels, Counter>::default();
         let unprotected = Family::<RouteLabels, Counter>::default();
+        let read_only = Family::<RouteLabels, Counter>::default();
         let refusals = Family::<ResultLabels, Counter>::default();
         let approvals = Family::<ResultLabels, Counter>::default();
         let upstream_duration: HistogramFamily = Family::new_with_constructor(latency_histogram);
@@ -116,6 +120,11 @@ impl Metrics {
             unprotected.clone(),
         );
         registry.register(
+            "idemproxy_read_only",
+            "Read-only requests forwarded to the upstream",
+            read_only.clone(),
+        );
+        registry.register(
             "idemproxy_refusals",
             "Side-effect calls answered without sending, by result: key_mismatch, in_flight, approval_required",
             refusals.clone(),
@@ -145,6 +154,7 @@ impl Metrics {
             webhooks,
             batch_items,
             unprotected,
+            read_only,
             refusals,
             approvals,
             upstream_duration,

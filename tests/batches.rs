@@ -173,6 +173,14 @@ async fn an_independent_batch_sends_each_item_once_and_a_retry_replays_it() {
     assert_eq!(child.json()["item_of"]["parent"], parent_id.as_str());
     assert_eq!(child.json()["item_of"]["index"], 0);
 
+    // A search by the client's key finds the batch and every item.
+    let found = admin_get(&c, &proxy, "/v1/executions?key=batch-1&limit=10").await;
+    assert_eq!(
+        found.json()["items"].as_array().map(Vec::len),
+        Some(4),
+        "{found:?}"
+    );
+
     // Changed items under the same key are another call.
     let changed = call(&c, &proxy, "keyed", "batch-1", &messages(4)).await;
     assert_eq!(

@@ -576,6 +576,33 @@ async fn wire(w: World) {
     assert_eq!(found.header("idempotency-reconciled"), Some("lookup"));
     assert_eq!(executions(&c, &w, "slow_commit").await, 1);
 
+    // The record keeps what params._meta named and the derived key, and is found by them.
+    let bearer = format!("Bearer {ADMIN_TOKEN}");
+    let listed = send(
+        &c,
+        http::Method::GET,
+        &w.proxy.admin_url("/v1/executions?tool_call=call_13"),
+        &[("authorization", &bearer)],
+        "",
+    )
+    .await
+    .json();
+    assert_eq!(
+        listed["items"].as_array().map(Vec::len),
+        Some(1),
+        "{listed}"
+    );
+    let item = &listed["items"][0];
+    assert_eq!(item["execution_id"], id.as_str(), "{item}");
+    assert_eq!(item["operation_id"], "op_9", "{item}");
+    assert_eq!(item["model_round"], "1", "{item}");
+    assert!(
+        item["key"]
+            .as_str()
+            .is_some_and(|k| k.starts_with("op_9:1:call_13:slow_commit:")),
+        "{item}"
+    );
+
     // Cancelling the operation named in params._meta stops its calls before sending.
     let auth = format!("Bearer {ADMIN_TOKEN}");
     let cancel = post(

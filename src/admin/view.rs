@@ -18,6 +18,11 @@ pub struct Summary<'a> {
     pub route: &'a str,
     pub tool_version: &'a str,
     pub operation_id: Option<&'a str>,
+    /// The orchestration parts the call was identified by (never argument values).
+    pub model_round: Option<&'a str>,
+    pub tool_call_id: Option<&'a str>,
+    /// The idempotency key as the proxy read it (the client's, or derived).
+    pub key: Option<&'a str>,
     pub method: &'a str,
     pub path: &'a str,
     pub args_hash: &'a str,
@@ -41,6 +46,9 @@ impl<'a> Summary<'a> {
             route: &r.route,
             tool_version: &r.tool_version,
             operation_id: r.operation_id.as_deref(),
+            model_round: r.model_round.as_deref(),
+            tool_call_id: r.tool_call_id.as_deref(),
+            key: r.key.as_deref(),
             method: &r.method,
             path: &r.path,
             args_hash: r.args_hash.as_str(),

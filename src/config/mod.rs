@@ -179,6 +179,9 @@ pub struct IdentityConfig {
     /// The header naming the provider's tool call (`identity.tool_call_from`; default the
     /// last of `derive_from`, `X-Tool-Call-Id` in the usual order): logged with the call.
     pub tool_call_from: Option<HeaderName>,
+    /// The header naming the model round (`identity.model_round_from`; default the
+    /// `derive_from` header `X-Model-Round`, when it is one): kept on the record.
+    pub model_round_from: Option<HeaderName>,
     /// MCP: `params._meta` fields whose values, joined with the tool name and version,
     /// make a derived key (used when no key header and no `derive_from` headers are sent).
     pub derive_from_meta: Vec<String>,

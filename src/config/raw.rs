@@ -84,6 +84,7 @@ pub struct RawIdentity {
     pub tenant_from: Option<Vec<String>>,
     pub operation_from: Option<String>,
     pub tool_call_from: Option<String>,
+    pub model_round_from: Option<String>,
     /// MCP: `params._meta` fields joined into a derived key (SPEC section 11).
     pub derive_from_meta: Option<Vec<String>>,
     /// MCP: one `params._meta` field holding a whole key.

@@ -665,6 +665,13 @@ impl Validator {
                 .cloned()
                 .filter(|_| derive_from.len() > 1),
         };
+        let model_round_from = match i.model_round_from {
+            Some(h) => self.header("identity.model_round_from", &h),
+            None => derive_from
+                .iter()
+                .find(|h| h.as_str() == "x-model-round")
+                .cloned(),
+        };
         let derive_from_meta = i.derive_from_meta.unwrap_or_default();
         for (n, f) in derive_from_meta.iter().enumerate() {
             if f.is_empty() {
@@ -683,6 +690,7 @@ impl Validator {
             tenant_from,
             operation_from,
             tool_call_from,
+            model_round_from,
             derive_from_meta,
             key_meta: i.key_meta,
         }

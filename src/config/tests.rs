@@ -357,3 +357,11 @@ fn batch_routes_are_read_and_checked() {
         assert!(text.contains(want), "missing `{want}` in\n{text}");
     }
 }
+
+#[test]
+fn a_bad_model_round_header_names_its_path() {
+    let text = errors(
+        "identity: { model_round_from: \"X Round\" }\nupstreams:\n  - { name: m, url: http://127.0.0.1:1, routes: [] }\n",
+    );
+    assert!(text.contains("identity.model_round_from"), "{text}");
+}

@@ -58,6 +58,8 @@ pub(super) struct Call<'a> {
     pub id: ExecutionId,
     pub tenant: TenantScope,
     pub args: ArgsHash,
+    /// The client's key (kept on the parent's and every item's record, for search).
+    pub key: Option<String>,
     pub peer: &'a ClientAddr,
     pub queue: Option<Arc<tokio::sync::Semaphore>>,
 }
@@ -86,6 +88,7 @@ pub(super) async fn run(call: Call<'_>) -> Response<ProxyBody> {
         items,
         ids,
         tenant: call.tenant.clone(),
+        key: call.key,
         id: call.id.clone(),
         body: call.body.clone(),
         peer: call.peer,
@@ -134,6 +137,7 @@ struct Parent<'a> {
     items: Vec<Item>,
     ids: Vec<ExecutionId>,
     tenant: TenantScope,
+    key: Option<String>,
     id: ExecutionId,
     body: Bytes,
     peer: &'a ClientAddr,
@@ -175,6 +179,7 @@ impl Protocol for Parent<'_> {
         record.batch = Some(Batch {
             items: self.ids.clone(),
         });
+        record.key.clone_from(&self.key);
     }
 
     fn perform(
@@ -269,6 +274,7 @@ impl Parent<'_> {
                 index: item.index,
             },
             body: Bytes::from(item.body.clone()),
+            key: self.key.clone(),
             answer: Mutex::new(None),
         };
         let sibling = Sibling {
@@ -402,6 +408,9 @@ fn answer_body(body: &[u8]) -> Value {
 struct ItemCall {
     of: ItemOf,
     body: Bytes,
+    /// The batch's key: a search by key finds the batch and every item (the item key is
+    /// an argument value and is not kept).
+    key: Option<String>,
     answer: Mutex<Option<(StoredResponse, bool)>>,
 }
 
@@ -430,5 +439,6 @@ impl Protocol for ItemCall {
 
     fn decorate(&self, record: &mut Record) {
         record.item_of = Some(self.of.clone());
+        record.key.clone_from(&self.key);
     }
 }

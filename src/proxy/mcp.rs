@@ -419,7 +419,8 @@ async fn tool_call(
         only_sse,
         arguments: policy::arguments(&call).to_vec(),
         tap: None,
-        operation: policy::operation_id(&call, &cfg.identity),
+        correlation: policy::correlation(&call, &cfg.identity),
+        key: None,
         lookup: None,
     };
     // The tool's own target: its records, metrics and turns are the tool's.
@@ -490,6 +491,7 @@ async fn tool_call(
     }
     let tenant = identity::tenant_scope(&parts.headers, &cfg.identity.tenant_from);
     let id = identity::execution_id(&tenant, &target.upstream.name, &route.name, &key);
+    rpc.key = Some(key.clone());
     rpc.lookup = mcp
         .lookups
         .iter()
@@ -550,8 +552,10 @@ struct Rpc {
     arguments: Vec<u8>,
     /// Where the server's SSE events go while the call runs (a client that takes SSE).
     tap: Option<Tap>,
-    /// The parent operation named in `params._meta`.
-    operation: Option<String>,
+    /// The orchestration ids named in `params._meta`.
+    correlation: identity::Correlation,
+    /// The key the call was identified by (kept on its record).
+    key: Option<String>,
     /// The tool's `reconcile.tool` lookup, ready to send.
     lookup: Option<Lookup>,
 }
@@ -883,8 +887,8 @@ impl Protocol for Rpc {
         &self.arguments
     }
 
-    fn operation_id(&self) -> Option<String> {
-        self.operation.clone()
+    fn correlation(&self) -> (&identity::Correlation, Option<&str>) {
+        (&self.correlation, self.key.as_deref())
     }
 
     fn has_lookup(&self) -> bool {
@@ -978,7 +982,8 @@ fn rejected_tool(id: &[u8], tool: &str, only_sse: bool) -> Response<ProxyBody> {
         only_sse,
         arguments: Vec::new(),
         tap: None,
-        operation: None,
+        correlation: identity::Correlation::default(),
+        key: None,
         lookup: None,
     };
     let (ct, body) = rpc.framed(message);
@@ -998,7 +1003,8 @@ mod tests {
             only_sse: false,
             arguments: Vec::new(),
             tap: None,
-            operation: None,
+            correlation: identity::Correlation::default(),
+            key: None,
             lookup: None,
         }
     }

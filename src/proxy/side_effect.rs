@@ -25,7 +25,7 @@ use crate::policy::classify::Target;
 use crate::policy::fingerprint::{
     args_hash, raw_digest, AmbiguousBody, CallScope, RawDigest, RequestParts,
 };
-use crate::policy::identity::{self, ArgsHash, ExecutionId, KeyLookup, TenantScope};
+use crate::policy::identity::{self, ArgsHash, Correlation, ExecutionId, KeyLookup, TenantScope};
 use crate::policy::reconcile::{self, Plan, Verdict};
 use crate::policy::state::{Event, State};
 use crate::store::{
@@ -54,6 +54,8 @@ pub struct Admitted {
     id: ExecutionId,
     tenant: TenantScope,
     raw: RawDigest,
+    /// The key it was identified by (kept on its record); `None` for a sibling's identity.
+    key: Option<String>,
 }
 
 impl Admitted {
@@ -90,6 +92,7 @@ impl Admitted {
             id,
             tenant,
             raw,
+            key: None,
         }
     }
 }
@@ -173,6 +176,7 @@ pub async fn admit(
         id,
         tenant,
         raw,
+        key: Some(key),
     })
 }
 
@@ -352,6 +356,7 @@ pub async fn run(
         id,
         tenant,
         raw,
+        key,
     } = admitted;
     let args = match args_hash(&map_parts(target, &parts, &body), &target.route.fingerprint) {
         Ok(args) => args,
@@ -381,6 +386,7 @@ pub async fn run(
                     id,
                     tenant,
                     args,
+                    key,
                     peer,
                     queue,
                 }))
@@ -407,6 +413,7 @@ pub async fn run(
         tenant,
         peer,
         proto: None,
+        key,
     };
     run_queued(call, queue).await
 }
@@ -446,9 +453,11 @@ pub(super) trait Protocol: Send + Sync {
             Duration::ZERO,
         )))
     }
-    /// The parent operation when the request's headers name none (for cancellation).
-    fn operation_id(&self) -> Option<String> {
-        None
+    /// The orchestration ids the protocol's own message names, for those the request's
+    /// headers do not (the parent operation is what cancellation finds), and the key the
+    /// call was identified by.
+    fn correlation(&self) -> (&Correlation, Option<&str>) {
+        (&NO_CORRELATION, None)
     }
     /// What the protocol adds to a new record (a batch's items, an item's parent).
     fn decorate(&self, _record: &mut Record) {}
@@ -480,6 +489,13 @@ pub(super) enum Performed {
         answer: Response<ProxyBody>,
     },
 }
+
+/// [`Protocol::correlation`] of a protocol whose messages name no orchestration ids.
+static NO_CORRELATION: Correlation = Correlation {
+    operation_id: None,
+    model_round: None,
+    tool_call_id: None,
+};
 
 /// A downstream answer as a [`Protocol`] judges it.
 pub(super) enum Judged {
@@ -529,6 +545,7 @@ pub(super) async fn run_sibling(
         tenant: call.tenant,
         peer,
         proto: Some(call.proto),
+        key: None,
     };
     run_queued(call, queue).await
 }
@@ -602,6 +619,8 @@ struct Call<'a> {
     peer: &'a ClientAddr,
     /// A sibling lifecycle's edges; `None` for HTTP.
     proto: Option<&'a dyn Protocol>,
+    /// The key the call was identified by, when admission found one ([`Admitted::key`]).
+    key: Option<String>,
 }
 
 /// What to do with an existing record.
@@ -724,8 +743,7 @@ impl Call<'_> {
             upstream: self.target.upstream.name.clone(),
             route: route.name.clone(),
             tool_version: route.tool_version.clone(),
-            operation_id: identity::operation_id(&self.parts.headers, &self.rt.config.identity)
-                .or_else(|| self.proto.and_then(|p| p.operation_id())),
+            operation_id: None,
             args_hash: self.args.clone(),
             method: self.parts.method.to_string(),
             path: self.target.rel_path.clone(),
@@ -743,6 +761,20 @@ impl Call<'_> {
             now_ms: now,
             expires_at_ms: now.saturating_add(route.retention.as_millis() as i64),
         });
+        // The orchestration parts the call was identified by (SPEC section 10): the
+        // trusted headers first, then what the protocol's message names.
+        let mut ids = identity::correlation(&self.parts.headers, &self.rt.config.identity);
+        let mut key = self.key.clone();
+        if let Some((theirs, their_key)) = self.proto.map(|p| p.correlation()) {
+            ids.operation_id = ids.operation_id.or_else(|| theirs.operation_id.clone());
+            ids.model_round = ids.model_round.or_else(|| theirs.model_round.clone());
+            ids.tool_call_id = ids.tool_call_id.or_else(|| theirs.tool_call_id.clone());
+            key = key.or_else(|| their_key.map(str::to_string));
+        }
+        r.operation_id = ids.operation_id;
+        r.model_round = ids.model_round;
+        r.tool_call_id = ids.tool_call_id;
+        r.key = key;
         if let Some(p) = self.proto {
             p.decorate(&mut r);
         }

@@ -4,6 +4,8 @@
 //! record's `version` (the fencing token), and a returned `Ok` means the write is durable.
 //! Beside the records, a store keeps the marks of cancelled parent operations.
 
+#[cfg(test)]
+pub(crate) mod conformance;
 pub mod operation;
 pub mod postgres;
 pub mod record;
@@ -28,11 +30,23 @@ pub enum Claim {
     Existing(Record),
 }
 
-/// Which records a listing returns, in execution-id order after `after`.
+/// Which records a listing returns, in execution-id order after `after`. Every filter given
+/// must match; each store walks the index of the most selective one and checks the others
+/// on the records it reads (docs/STORES.md, "Search").
 #[derive(Clone, Debug, Default)]
 pub struct ListFilter {
     pub status: Option<State>,
     pub operation: Option<String>,
+    /// [`Record::tool_call_id`].
+    pub tool_call: Option<String>,
+    /// [`Record::key`].
+    pub key: Option<String>,
+    pub upstream: Option<String>,
+    pub route: Option<String>,
+    /// Created at or after this instant (ms since the epoch).
+    pub since: Option<i64>,
+    /// Created before this instant (ms since the epoch).
+    pub until: Option<i64>,
     /// Exclusive cursor: the last id of the previous page.
     pub after: Option<ExecutionId>,
     /// Page size; 0 returns an empty page.
@@ -61,6 +75,24 @@ pub enum StoreError {
 }
 
 pub type StoreResult<T> = Result<T, StoreError>;
+
+impl ListFilter {
+    /// Whether `r` matches every filter but the cursor (each store checks this on the
+    /// records its index walk reads).
+    pub fn matches(&self, r: &Record) -> bool {
+        fn is(want: &Option<String>, have: Option<&str>) -> bool {
+            want.as_deref().is_none_or(|w| have == Some(w))
+        }
+        self.status.is_none_or(|s| r.state() == s)
+            && is(&self.operation, r.operation_id.as_deref())
+            && is(&self.tool_call, r.tool_call_id.as_deref())
+            && is(&self.key, r.key.as_deref())
+            && is(&self.upstream, Some(&r.upstream))
+            && is(&self.route, Some(&r.route))
+            && self.since.is_none_or(|t| r.created_at_ms >= t)
+            && self.until.is_none_or(|t| r.created_at_ms < t)
+    }
+}
 
 /// The durable record store. Implementations must make every successful write durable
 /// (fsync'd or committed) before returning. A write whose future is dropped after it was
