@@ -32,6 +32,8 @@ if [ ! -s "$report" ]; then
   exit 1
 fi
 
+# The fault table below the matrix (scripts/faults.sh) is kept as it is.
+faults="$(sed -n '/^# Faults/,$p' "$out" 2>/dev/null || true)"
 commit="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
 dirty=""
 if ! git diff --quiet HEAD -- src tests fixtures 2>/dev/null; then dirty=" (with uncommitted changes)"; fi
@@ -53,7 +55,8 @@ committing (0–400 ms), the delay before SIGKILL (0–50 ms), before the restar
 client backoff jitter (0–100 ms).
 
 - **duplicates**: committed side effects beyond the first, counted by the fake downstream under
-  the execution's injected key. Must be 0.
+  the execution's injected key (for \`batch_keyed\`, an independent batch of two items: beyond
+  one per item, under each item's key). Must be 0.
 - **final state**: what the agent ended with: \`result\` (a 2xx that equals the effect the
   downstream committed, and the first answer where the client saw one) or \`outcome_unknown\`
   (nothing can tell what happened; the record waits for \`idemproxy resolve\`).
@@ -90,7 +93,7 @@ Where neither the downstream nor a lookup can tell what happened, the honest end
   lets the retry execute under the same key.
 
 A downstream that replays keyed requests, or a `reconcile` lookup, turns every one of these
-into the original result (the other five behaviours).
+into the original result (the other behaviours).
 
 ## Where the failpoints are
 
@@ -98,8 +101,12 @@ See `src/failpoint.rs` for the list and `src/proxy/side_effect.rs` for the place
 `after_prepared` sits right after the claim: the claim writes the record durably as
 `executing` (SPEC section 5: durable before the first byte), so the article's "prepared record"
 and our `executing` record are the same write. Decisions behind the expected outcomes are in
-`docs/UNKNOWN_OUTCOMES.md`.
+`docs/UNKNOWN_OUTCOMES.md`. A batch passes each point once per item;
+`IDEMPROXY_FAILPOINT=<name>@<n>` stops at the n-th pass (tests/batches.rs).
 DOC
+  if [ -n "$faults" ]; then
+    printf '\n%s\n' "$faults"
+  fi
 } >"$out"
 
 tail -n 3 "$log" >&2

@@ -1,8 +1,9 @@
 //! Named crash points for the crash-matrix tests (compiled in with `--features failpoints`).
 //! When `IDEMPROXY_FAILPOINT` names a point, the process announces it on stderr
 //! (`FAILPOINT <name> reached`) and parks the task there forever, so the test harness can
-//! SIGKILL the process at exactly that boundary. Without the feature every function here
-//! compiles to nothing.
+//! SIGKILL the process at exactly that boundary. `IDEMPROXY_FAILPOINT=<name>@<n>` lets the
+//! first n-1 passes through (a batch's items pass each point once per item). Without the
+//! feature every function here compiles to nothing.
 //!
 //! Where the points sit (see `src/proxy/side_effect.rs`):
 //!
@@ -25,13 +26,26 @@ pub const POINTS: [&str; 6] = [
     "after_answer",
 ];
 
+/// The armed point and from which pass on it parks: `IDEMPROXY_FAILPOINT=in_flight@4`
+/// parks at the fourth send (a batch's fourth item), `in_flight` at the first.
+#[cfg(feature = "failpoints")]
+fn armed_point() -> Option<&'static (String, u64)> {
+    use std::sync::OnceLock;
+    static ARMED: OnceLock<Option<(String, u64)>> = OnceLock::new();
+    ARMED
+        .get_or_init(|| {
+            let v = std::env::var("IDEMPROXY_FAILPOINT").ok()?;
+            Some(match v.split_once('@') {
+                Some((name, nth)) => (name.to_string(), nth.parse().unwrap_or(1).max(1)),
+                None => (v, 1),
+            })
+        })
+        .as_ref()
+}
+
 #[cfg(feature = "failpoints")]
 fn armed_name() -> Option<&'static str> {
-    use std::sync::OnceLock;
-    static ARMED: OnceLock<Option<String>> = OnceLock::new();
-    ARMED
-        .get_or_init(|| std::env::var("IDEMPROXY_FAILPOINT").ok())
-        .as_deref()
+    armed_point().map(|(name, _)| name.as_str())
 }
 
 /// Whether `name` is the armed point (always `false` without the feature).
@@ -49,7 +63,13 @@ pub fn armed(_name: &str) -> bool {
 /// Park forever if `name` is armed; return at once otherwise.
 #[cfg(feature = "failpoints")]
 pub async fn hit(name: &'static str) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static PASSES: AtomicU64 = AtomicU64::new(0);
     if armed(name) {
+        let nth = armed_point().map_or(1, |(_, n)| *n);
+        if PASSES.fetch_add(1, Ordering::SeqCst) + 1 < nth {
+            return;
+        }
         announce(name);
         std::future::pending::<()>().await;
     }

@@ -43,7 +43,14 @@ pub struct Metrics {
     /// Background jobs by each move (SPEC section 9.2): `running` when a call starts one,
     /// `succeeded` / `failed` when it ends.
     pub jobs: Family<JobLabels, Counter>,
+    /// Items of independent batches (SPEC section 9.3), by result: `sent` (sent and
+    /// committed for this request), `replayed` (answered from the item's record),
+    /// `stopped` (the item the batch stopped at: unknown, failed, refused).
+    pub batch_items: Family<ResultLabels, Counter>,
     pub unprotected: Family<RouteLabels, Counter>,
+    /// Read-only requests forwarded (the request path bumps a handle resolved once per
+    /// route, `proxy::Runtime::count_with`).
+    pub read_only: Family<RouteLabels, Counter>,
     /// Side-effect calls answered without sending, by why (`key_mismatch`, `in_flight`,
     /// `approval_required`).
     pub refusals: Family<ResultLabels, Counter>,
@@ -76,7 +83,9 @@ impl Metrics {
         let reconciliations = Family::<ResultLabels, Counter>::default();
         let webhooks = Family::<ResultLabels, Counter>::default();
         let jobs = Family::<JobLabels, Counter>::default();
+        let batch_items = Family::<ResultLabels, Counter>::default();
         let unprotected = Family::<RouteLabels, Counter>::default();
+        let read_only = Family::<RouteLabels, Counter>::default();
         let refusals = Family::<ResultLabels, Counter>::default();
         let approvals = Family::<ResultLabels, Counter>::default();
         let upstream_duration: HistogramFamily = Family::new_with_constructor(latency_histogram);
@@ -117,9 +126,19 @@ impl Metrics {
             jobs.clone(),
         );
         registry.register(
+            "idemproxy_batch_items",
+            "Items of independent batches by result: sent, replayed, stopped",
+            batch_items.clone(),
+        );
+        registry.register(
             "idemproxy_unprotected",
             "Side-effect requests forwarded without a key (key_required: false)",
             unprotected.clone(),
+        );
+        registry.register(
+            "idemproxy_read_only",
+            "Read-only requests forwarded to the upstream",
+            read_only.clone(),
         );
         registry.register(
             "idemproxy_refusals",
@@ -150,7 +169,9 @@ impl Metrics {
             reconciliations,
             webhooks,
             jobs,
+            batch_items,
             unprotected,
+            read_only,
             refusals,
             approvals,
             upstream_duration,

@@ -687,6 +687,161 @@ async fn listing_pages_with_a_cursor_and_shows_one_record_in_full() {
     assert_eq!(missing.json()["execution_id"], "ex_missing");
 }
 
+/// `GET /v1/executions` finds calls by the orchestration ids and the key they came with,
+/// by upstream, route and creation time, pages through a filter with the cursor, and
+/// refuses a bad parameter with a problem naming it. The record shows its correlation.
+#[tokio::test(flavor = "multi_thread")]
+async fn executions_are_found_by_tool_call_key_route_and_time() {
+    let (_dir, _ds, proxy) = setup().await;
+    let c = client();
+    let now = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("clock")
+            .as_millis() as i64
+    };
+    let t0 = now();
+    let mut ids = std::collections::BTreeMap::new();
+    for (name, round, call) in [("a", "r1", "call_a"), ("b", "r2", "call_b")] {
+        let mut h = op_headers("op_find", call);
+        h[2] = ("x-model-round", round);
+        let r = post(&c, &proxy.url("/mail/send"), &h, r#"{"to":"f@x"}"#).await;
+        assert_eq!(r.status, StatusCode::CREATED, "{r:?}");
+        ids.insert(
+            name,
+            r.header("idempotency-execution-id")
+                .expect("id")
+                .to_string(),
+        );
+    }
+    let keyed = post(
+        &c,
+        &proxy.url("/mail/send"),
+        &[TENANT, ("idempotency-key", "client-key-1")],
+        r#"{"to":"k@x"}"#,
+    )
+    .await;
+    assert_eq!(keyed.status, StatusCode::CREATED, "{keyed:?}");
+    ids.insert(
+        "c",
+        keyed
+            .header("idempotency-execution-id")
+            .expect("id")
+            .to_string(),
+    );
+    let held = post(
+        &c,
+        &proxy.url("/pay/send"),
+        &op_headers("op_find", "call_d"),
+        r#"{"to":"x","amount":1}"#,
+    )
+    .await;
+    ids.insert("d", approval_of(&held).0);
+    let t1 = now() + 1;
+
+    let found = |query: String| {
+        let (c, proxy) = (&c, &proxy);
+        async move {
+            let r = admin_get(c, proxy, &format!("/v1/executions?{query}")).await;
+            assert_eq!(r.status, StatusCode::OK, "{query}: {r:?}");
+            let v = r.json();
+            let mut got: Vec<String> = v["items"]
+                .as_array()
+                .expect("items")
+                .iter()
+                .map(|i| i["execution_id"].as_str().expect("id").to_string())
+                .collect();
+            got.sort();
+            got
+        }
+    };
+    let want = |names: &[&str]| {
+        let mut v: Vec<String> = names.iter().map(|n| ids[n].clone()).collect();
+        v.sort();
+        v
+    };
+    for (query, names) in [
+        ("tool_call=call_b".to_string(), &["b"][..]),
+        ("key=client-key-1".to_string(), &["c"]),
+        ("operation=op_find&upstream=mail".to_string(), &["a", "b"]),
+        ("upstream=pay".to_string(), &["d"]),
+        ("route=transfer".to_string(), &["d"]),
+        (
+            "upstream=mail&route=send_email".to_string(),
+            &["a", "b", "c"],
+        ),
+        (
+            "route=send_email&status=result_delivered&tool_call=call_a".to_string(),
+            &["a"],
+        ),
+        (format!("since={t0}&until={t1}"), &["a", "b", "c", "d"]),
+        (format!("since={t1}"), &[]),
+        // RFC 3339 too: everything was made after 2001, nothing before.
+        (
+            "since=2001-01-01T00:00:00Z".to_string(),
+            &["a", "b", "c", "d"],
+        ),
+        ("until=2001-01-01T00:00:00Z".to_string(), &[]),
+        (format!("until={t0}&upstream=mail"), &[]),
+        ("tool_call=call_zzz".to_string(), &[]),
+    ] {
+        assert_eq!(found(query.clone()).await, want(names), "{query}");
+    }
+
+    // A filtered listing pages with the cursor like any other.
+    let mut seen = Vec::new();
+    let mut path = "/v1/executions?upstream=mail&limit=1".to_string();
+    for _ in 0..10 {
+        let v = admin_get(&c, &proxy, &path).await.json();
+        seen.extend(
+            v["items"]
+                .as_array()
+                .expect("items")
+                .iter()
+                .map(|i| i["execution_id"].as_str().expect("id").to_string()),
+        );
+        match v["next"].as_str() {
+            Some(next) => path = format!("/v1/executions?upstream=mail&limit=1&after={next}"),
+            None => break,
+        }
+    }
+    assert_eq!(seen, want(&["a", "b", "c"]), "in id order, each once");
+
+    let b = admin_get(&c, &proxy, &format!("/v1/executions/{}", ids["b"]))
+        .await
+        .json();
+    assert_eq!(b["operation_id"], "op_find");
+    assert_eq!(b["model_round"], "r2");
+    assert_eq!(b["tool_call_id"], "call_b");
+    assert!(
+        b["key"]
+            .as_str()
+            .is_some_and(|k| k.starts_with("op_find:r2:call_b:send_email:")),
+        "{b}"
+    );
+    let c_rec = admin_get(&c, &proxy, &format!("/v1/executions/{}", ids["c"]))
+        .await
+        .json();
+    assert_eq!(c_rec["key"], "client-key-1");
+    assert!(c_rec.get("tool_call_id").is_some_and(Value::is_null));
+
+    for (query, parameter) in [
+        ("since=yesterday", "since"),
+        ("until=-5", "until"),
+        ("since=20&until=10", "until"),
+        ("tool_call=", "tool_call"),
+        ("key=a&key=b", "key"),
+        ("status=done", "status"),
+        ("colour=red", "colour"),
+        ("limit=0", "limit"),
+    ] {
+        let r = admin_get(&c, &proxy, &format!("/v1/executions?{query}")).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{query}: {r:?}");
+        assert_eq!(r.problem_type(), "urn:idemproxy:problem:bad-request");
+        assert_eq!(r.json()["parameter"], parameter, "{query}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn an_unknown_outcome_is_resolved_through_the_api() {
     let (_dir, ds, proxy) = setup().await;
@@ -802,6 +957,26 @@ async fn metrics_count_a_replay() {
         assert!(
             text.lines().any(|l| l == line),
             "missing {line:?} in\n{text}"
+        );
+    }
+}
+
+/// Read-only requests are counted by route, on the listener's fast path and on hyper's.
+#[tokio::test(flavor = "multi_thread")]
+async fn metrics_count_read_only_requests() {
+    for fast in ["1", "0"] {
+        let (_dir, _ds, proxy) = setup_with_env(&[("IDEMPROXY_FAST_PATH", fast)]).await;
+        let c = client();
+        for _ in 0..3 {
+            let r = send(&c, Method::GET, &proxy.url("/mail/messages"), &[TENANT], "").await;
+            assert!(r.status.is_success() || r.status.is_client_error(), "{r:?}");
+        }
+        let text =
+            String::from_utf8_lossy(&admin_get(&c, &proxy, "/metrics").await.body).to_string();
+        let line = "idemproxy_read_only_total{upstream=\"mail\",route=\"unmatched_read\"} 3";
+        assert!(
+            text.lines().any(|l| l == line),
+            "fast path {fast}: missing {line:?} in\n{text}"
         );
     }
 }

@@ -48,6 +48,9 @@ struct Behaviour {
     route: String,
     /// Each retry changes a field the fingerprint ignores (`/client_ts`).
     changes_ignored_field: bool,
+    /// An independent batch (SPEC section 9.3): its items go to this downstream path, each
+    /// an execution of its own; the cell counts every item's commits.
+    items_to: Option<&'static str>,
 }
 
 fn behaviours() -> Vec<Behaviour> {
@@ -59,6 +62,7 @@ fn behaviours() -> Vec<Behaviour> {
             path: "/keyed/send",
             route: format!("{{ name: keyed, match: {{ method: POST, path: /keyed/send }}, {keyed}, fingerprint: {{ ignore_json: [/client_ts] }} }}"),
             changes_ignored_field: false,
+            items_to: None,
         },
         Behaviour {
             name: "keyed_rejects_changed_body",
@@ -66,6 +70,7 @@ fn behaviours() -> Vec<Behaviour> {
             path: "/keyed/send",
             route: String::new(), // same route as keyed_replays
             changes_ignored_field: true,
+            items_to: None,
         },
         Behaviour {
             name: "no_idempotency",
@@ -73,6 +78,7 @@ fn behaviours() -> Vec<Behaviour> {
             path: "/send",
             route: "{ name: plain, match: { method: POST, path: /send } }".into(),
             changes_ignored_field: false,
+            items_to: None,
         },
         Behaviour {
             name: "timeout_after_commit_keyed",
@@ -80,6 +86,7 @@ fn behaviours() -> Vec<Behaviour> {
             path: "/keyed/timeout-after-commit/send",
             route: format!("{{ name: keyed_timeout, match: {{ method: POST, path: /keyed/timeout-after-commit/send }}, {keyed}, timeout: 300ms }}"),
             changes_ignored_field: false,
+            items_to: None,
         },
         Behaviour {
             name: "timeout_after_commit_lookup",
@@ -87,6 +94,7 @@ fn behaviours() -> Vec<Behaviour> {
             path: "/timeout-after-commit/send",
             route: format!("{{ name: timeout_lookup, match: {{ method: POST, path: /timeout-after-commit/send }}, timeout: 300ms, {LOOKUP} }}"),
             changes_ignored_field: false,
+            items_to: None,
         },
         Behaviour {
             name: "500_before_commit",
@@ -94,6 +102,7 @@ fn behaviours() -> Vec<Behaviour> {
             path: "/fail-once-before-commit/send",
             route: "{ name: fail_once, match: { method: POST, path: /fail-once-before-commit/send }, on_5xx: failed_before_commit }".into(),
             changes_ignored_field: false,
+            items_to: None,
         },
         Behaviour {
             name: "500_after_commit_lookup",
@@ -101,6 +110,15 @@ fn behaviours() -> Vec<Behaviour> {
             path: "/fail-after-commit/send",
             route: format!("{{ name: fail_after, match: {{ method: POST, path: /fail-after-commit/send }}, {LOOKUP} }}"),
             changes_ignored_field: false,
+            items_to: None,
+        },
+        Behaviour {
+            name: "batch_keyed",
+            what: "an independent batch of 2 items, each to a downstream that honours keys",
+            path: "/batch/keyed",
+            route: format!("{{ name: batch, match: {{ method: POST, path: /batch/keyed }}, {keyed}, batch: {{ items: /messages, mode: independent, item_key: /to, each: {{ path: /keyed/send }} }} }}"),
+            changes_ignored_field: false,
+            items_to: Some("/keyed/send"),
         },
     ]
 }
@@ -172,6 +190,9 @@ fn expect(point: &str, behaviour: &str) -> Expect {
         // retry executes (and commits) under the same key.
         "500_before_commit" if before_send || unrecorded => (End::Unknown, 0),
         "500_before_commit" => (End::Result, 1),
+        // Each item is reconciled on its own record (re-sent under its key): the batch
+        // ends with every item's result, each item once.
+        "batch_keyed" => (End::Result, 2),
         other => panic!("no expectation for behaviour {other}"),
     };
     Expect {
@@ -263,6 +284,9 @@ async fn send(c: &TestClient, url: &str, key: &str, body: String) -> Result<Resp
 }
 
 fn body_for(attempt: u64, b: &Behaviour) -> String {
+    if b.items_to.is_some() {
+        return r#"{"messages":[{"to":"a@example.com","subject":"crash matrix"},{"to":"b@example.com","subject":"crash matrix"}]}"#.into();
+    }
     let ts = if b.changes_ignored_field { attempt } else { 0 };
     format!(r#"{{"to":"agent@example.com","subject":"crash matrix","client_ts":{ts}}}"#)
 }
@@ -290,7 +314,8 @@ async fn trial(
     let dir = tempfile::tempdir().expect("tempdir");
     let yaml = config(dir.path(), &ds.url(), all);
     let c = client();
-    let hits_before = ds.hits_on(b.path);
+    let sent_to = b.items_to.unwrap_or(b.path);
+    let hits_before = ds.hits_on(sent_to);
     let proxy = ProxyProc::start_with_env(dir.path(), &yaml, &[("IDEMPROXY_FAILPOINT", point)]);
     let path = format!("/ds{}?delay_ms={}&hold_ms=3000", b.path, t.delay_ms);
     let url = proxy.url(&path);
@@ -319,7 +344,7 @@ async fn trial(
         // Parked with the request handed to the connection: let it reach the downstream,
         // so the cell really is "the downstream has it, the proxy died".
         let until = Instant::now() + Duration::from_secs(5);
-        while ds.hits_on(b.path) == hits_before && Instant::now() < until {
+        while ds.hits_on(sent_to) == hits_before && Instant::now() < until {
             sleep_ms(2).await;
         }
     }
@@ -390,6 +415,29 @@ async fn trial(
             problems,
         };
     };
+    if b.items_to.is_some() {
+        // A batch: every item's commits (under each item's own key), and each item's
+        // answer must be its committed effect.
+        let got: serde_json::Value = last
+            .as_ref()
+            .and_then(|r| serde_json::from_slice(&r.body).ok())
+            .unwrap_or_default();
+        let mut commits = 0;
+        for item in got["items"].as_array().into_iter().flatten() {
+            let item_id = item["execution_id"].as_str().unwrap_or_default();
+            commits += ds.commits_for(item_id);
+            match ds.messages_tagged(item_id).first() {
+                Some(m) if m.to_json() == item["body"] => {}
+                _ => problems.push(format!("item answer is not its committed effect: {item}")),
+            }
+        }
+        return Trial {
+            reached,
+            end,
+            commits,
+            problems,
+        };
+    }
     let commits = ds.commits_for(&id);
     if end == End::Result {
         let got: serde_json::Value = last
@@ -480,7 +528,13 @@ fn every_failpoint_against_every_downstream_behaviour() {
                     let got = rt.block_on(trial(&ds, b, all, point, &key, timing));
                     let want = expect(point, b.name);
                     let mut failures = got.problems.clone();
-                    if got.commits > 1 {
+                    // One side effect per item: a batch of n items commits n times.
+                    let allowed = if b.items_to.is_some() {
+                        want.commits
+                    } else {
+                        1
+                    };
+                    if got.commits > allowed {
                         failures.push(format!("{} commits: a duplicate side effect", got.commits));
                     }
                     if got.commits != want.commits {
@@ -502,7 +556,7 @@ fn every_failpoint_against_every_downstream_behaviour() {
                     let r = &mut reports[ci];
                     r.trials += 1;
                     r.reached += usize::from(got.reached);
-                    r.duplicates += got.commits.saturating_sub(1);
+                    r.duplicates += got.commits.saturating_sub(allowed);
                     match got.end {
                         End::Result => r.results += 1,
                         End::Unknown => r.unknown += 1,

@@ -126,6 +126,16 @@ upstreams:
       tools:
         send_email: {{ approval: {{ required: true, preview: [/to] }} }}
         stats: {{ class: read_only }}
+  - name: bulk
+    url: {json}
+    mount: /bulk
+    protocol: mcp
+    mcp:
+      unlisted: reject
+      tools:
+        send_email:
+          approval: {{ required: true, preview: [/subject] }}
+          batch: {{ items: /to, mode: atomic, max_items: 2 }}
   - name: recon
     url: {json}
     mount: /recon
@@ -369,6 +379,40 @@ async fn wire(w: World) {
     )
     .await;
     assert_eq!(ok.status, StatusCode::OK, "{ok:?}");
+
+    // A batch tool (atomic, items in `arguments`): the approver sees how many items it
+    // carries; more than max_items is a JSON-RPC error before anything is recorded.
+    let bulk = w.proxy.url("/bulk/mcp");
+    let two = json!({ "to": ["a@example.com", "b@example.com"], "subject": "bulk" });
+    let held = rpc(
+        &c,
+        &bulk,
+        &tool_call(json!("b1"), "send_email", two, Some("call_b1")),
+    )
+    .await;
+    let held = held.json();
+    assert_eq!(held["error"]["code"], -32006, "{held}");
+    assert_eq!(
+        held["error"]["data"]["preview"],
+        json!({ "/subject": "bulk", "items": 2 }),
+        "{held}"
+    );
+    let three =
+        json!({ "to": ["a@example.com", "b@example.com", "c@example.com"], "subject": "bulk" });
+    let big = rpc(
+        &c,
+        &bulk,
+        &tool_call(json!("b2"), "send_email", three, Some("call_b2")),
+    )
+    .await;
+    let big = big.json();
+    assert_eq!(big["id"], "b2", "{big}");
+    assert_eq!(big["error"]["code"], -32015, "{big}");
+    assert_eq!(
+        big["error"]["data"]["type"],
+        "urn:idemproxy:problem:batch-too-large"
+    );
+
     let ran = rpc(
         &c,
         &url,
@@ -531,6 +575,33 @@ async fn wire(w: World) {
     assert_eq!(found.header("idempotent-replayed"), Some("true"));
     assert_eq!(found.header("idempotency-reconciled"), Some("lookup"));
     assert_eq!(executions(&c, &w, "slow_commit").await, 1);
+
+    // The record keeps what params._meta named and the derived key, and is found by them.
+    let bearer = format!("Bearer {ADMIN_TOKEN}");
+    let listed = send(
+        &c,
+        http::Method::GET,
+        &w.proxy.admin_url("/v1/executions?tool_call=call_13"),
+        &[("authorization", &bearer)],
+        "",
+    )
+    .await
+    .json();
+    assert_eq!(
+        listed["items"].as_array().map(Vec::len),
+        Some(1),
+        "{listed}"
+    );
+    let item = &listed["items"][0];
+    assert_eq!(item["execution_id"], id.as_str(), "{item}");
+    assert_eq!(item["operation_id"], "op_9", "{item}");
+    assert_eq!(item["model_round"], "1", "{item}");
+    assert!(
+        item["key"]
+            .as_str()
+            .is_some_and(|k| k.starts_with("op_9:1:call_13:slow_commit:")),
+        "{item}"
+    );
 
     // Cancelling the operation named in params._meta stops its calls before sending.
     let auth = format!("Bearer {ADMIN_TOKEN}");

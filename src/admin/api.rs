@@ -30,6 +30,9 @@ const DEFAULT_PAGE: usize = 50;
 const MAX_PAGE: usize = 500;
 /// Records shown with an operation.
 const OPERATION_RECORDS: usize = 500;
+/// Longest value a listing filter takes (keys are at most `limits.max_key_bytes`, 255 by
+/// default; ids are shorter).
+const MAX_FILTER_BYTES: usize = 1024;
 /// Longest operator name accepted in `by`.
 const MAX_BY_CHARS: usize = 128;
 
@@ -125,6 +128,7 @@ fn route(method: &Method, path: &str) -> Result<Endpoint, AdminError> {
         [""] => ("GET", Endpoint::Console("index.html")),
         ["console.js"] => ("GET", Endpoint::Console("console.js")),
         ["console.css"] => ("GET", Endpoint::Console("console.css")),
+        ["favicon.ico"] => ("GET", Endpoint::Console("favicon.ico")),
         ["healthz"] => ("GET", Endpoint::Healthz),
         ["readyz"] => ("GET", Endpoint::Readyz),
         ["metrics"] => ("GET", Endpoint::Metrics),
@@ -238,7 +242,18 @@ async fn dispatch(
             ))
         }
         Endpoint::Show(id) => match store.get(&id).await? {
-            Some(r) => Ok(json(StatusCode::OK, &view::Detail::of(&r))),
+            Some(r) => {
+                let mut detail = view::Detail::of(&r);
+                if let Some(b) = &r.batch {
+                    let mut items = Vec::with_capacity(b.items.len());
+                    for item in &b.items {
+                        let state = store.get(item).await?.map(|c| c.state());
+                        items.push((item.to_string(), state));
+                    }
+                    detail.batch = Some(view::BatchView::of(items));
+                }
+                Ok(json(StatusCode::OK, &detail))
+            }
             None => Err(actions::ActionError::NotFound(id).into()),
         },
         Endpoint::Approve(id) => {
@@ -374,31 +389,78 @@ fn job_filter(query: Option<&str>) -> Result<ListFilter, AdminError> {
     Ok(filter)
 }
 
+/// The query parameters `GET /v1/executions` takes.
+const LIST_PARAMETERS: &str =
+    "status, operation, tool_call, key, upstream, route, external_id, since, until, limit, after";
+
+/// `GET /v1/executions`' query as a [`ListFilter`]: each parameter at most once, every
+/// value checked; a bad one is a 400 naming it.
 fn list_filter(query: Option<&str>) -> Result<ListFilter, AdminError> {
     let mut filter = ListFilter {
         limit: DEFAULT_PAGE,
         ..ListFilter::default()
     };
+    let mut seen: Vec<String> = Vec::new();
     for (k, v) in form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
+        let bad = |why: String| AdminError::BadParameter {
+            name: k.to_string(),
+            why,
+        };
+        if seen.iter().any(|s| *s == k) {
+            return Err(bad("given more than once".into()));
+        }
+        seen.push(k.to_string());
+        let text = |v: &str| -> Result<Option<String>, AdminError> {
+            if v.is_empty() || v.len() > MAX_FILTER_BYTES || v.chars().any(char::is_control) {
+                return Err(bad(format!(
+                    "must be 1..={MAX_FILTER_BYTES} bytes without control characters"
+                )));
+            }
+            Ok(Some(v.to_string()))
+        };
+        let time = |v: &str| -> Result<Option<i64>, AdminError> {
+            let ms = match v.parse::<i64>() {
+                Ok(ms) => Some(ms).filter(|t| *t >= 0),
+                Err(_) => humantime::parse_rfc3339_weak(v).ok().and_then(|t| {
+                    let since = t.duration_since(std::time::UNIX_EPOCH).ok()?;
+                    i64::try_from(since.as_millis()).ok()
+                }),
+            };
+            ms.map(Some).ok_or_else(|| {
+                bad(
+                    "must be milliseconds since the Unix epoch or an RFC 3339 time \
+                     (2026-12-07T14:00:00Z)"
+                        .into(),
+                )
+            })
+        };
         match k.as_ref() {
-            "status" => filter.status = Some(State::from_str(&v).map_err(AdminError::BadRequest)?),
+            "status" => filter.status = Some(State::from_str(&v).map_err(bad)?),
             "limit" => {
                 filter.limit = v
                     .parse::<usize>()
                     .ok()
                     .filter(|n| (1..=MAX_PAGE).contains(n))
-                    .ok_or_else(|| {
-                        AdminError::BadRequest(format!("limit must be 1..={MAX_PAGE}"))
-                    })?
+                    .ok_or_else(|| bad(format!("must be 1..={MAX_PAGE}")))?
             }
-            "after" => filter.after = Some(ExecutionId(v.into_owned())),
-            "operation" => filter.operation = Some(v.into_owned()),
-            "external_id" => filter.external_id = Some(v.into_owned()),
-            other => {
-                return Err(AdminError::BadRequest(format!(
-                    "unknown query parameter `{other}` (expected status, limit, after, operation, external_id)"
-                )))
-            }
+            "after" => filter.after = text(&v)?.map(ExecutionId),
+            "operation" => filter.operation = text(&v)?,
+            "tool_call" => filter.tool_call = text(&v)?,
+            "key" => filter.key = text(&v)?,
+            "upstream" => filter.upstream = text(&v)?,
+            "route" => filter.route = text(&v)?,
+            "external_id" => filter.external_id = text(&v)?,
+            "since" => filter.since = time(&v)?,
+            "until" => filter.until = time(&v)?,
+            _ => return Err(bad(format!("unknown (expected {LIST_PARAMETERS})"))),
+        }
+    }
+    if let (Some(since), Some(until)) = (filter.since, filter.until) {
+        if until <= since {
+            return Err(AdminError::BadParameter {
+                name: "until".into(),
+                why: format!("must be after since ({since})"),
+            });
         }
     }
     Ok(filter)

@@ -17,6 +17,13 @@ const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; conn
 
 /// One of the console's files (the router only passes names it knows).
 pub fn serve(file: &str) -> Response<ProxyBody> {
+    if file == "favicon.ico" {
+        // The console has no icon; answered so a browser's own request for one is not a
+        // 401 (the page's console would report it as an error).
+        let mut resp = Response::new(full(""));
+        *resp.status_mut() = http::StatusCode::NO_CONTENT;
+        return resp;
+    }
     let (body, content_type) = match file {
         "console.js" => (SCRIPT, "text/javascript; charset=utf-8"),
         "console.css" => (STYLE, "text/css; charset=utf-8"),

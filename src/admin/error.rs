@@ -21,6 +21,10 @@ pub enum AdminError {
     },
     #[error("{0}")]
     BadRequest(String),
+    /// A query parameter the endpoint does not take, or a value it cannot use: the
+    /// problem names it (`parameter`).
+    #[error("query parameter `{name}`: {why}")]
+    BadParameter { name: String, why: String },
     #[error("the request body is larger than {0} bytes")]
     BodyTooLarge(usize),
     #[error("the client sent no more of the request body within timeouts.client_body")]
@@ -51,6 +55,9 @@ impl AdminError {
                 Problem::new(Kind::Forbidden, detail).with("scope", needs)
             }
             AdminError::BadRequest(_) => Problem::new(Kind::BadRequest, detail),
+            AdminError::BadParameter { name, .. } => {
+                Problem::new(Kind::BadRequest, detail).with("parameter", name)
+            }
             AdminError::BodyTooLarge(_) => Problem::new(Kind::BodyTooLarge, detail),
             AdminError::RequestTimeout => Problem::new(Kind::RequestTimeout, detail),
             AdminError::NoEndpoint(_) => Problem::new(Kind::NotFound, detail),

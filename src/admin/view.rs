@@ -18,6 +18,11 @@ pub struct Summary<'a> {
     pub route: &'a str,
     pub tool_version: &'a str,
     pub operation_id: Option<&'a str>,
+    /// The orchestration parts the call was identified by (never argument values).
+    pub model_round: Option<&'a str>,
+    pub tool_call_id: Option<&'a str>,
+    /// The idempotency key as the proxy read it (the client's, or derived).
+    pub key: Option<&'a str>,
     pub method: &'a str,
     pub path: &'a str,
     pub args_hash: &'a str,
@@ -41,6 +46,9 @@ impl<'a> Summary<'a> {
             route: &r.route,
             tool_version: &r.tool_version,
             operation_id: r.operation_id.as_deref(),
+            model_round: r.model_round.as_deref(),
+            tool_call_id: r.tool_call_id.as_deref(),
+            key: r.key.as_deref(),
             method: &r.method,
             path: &r.path,
             args_hash: r.args_hash.as_str(),
@@ -75,6 +83,59 @@ pub struct Detail<'a> {
     pub events: &'a [crate::store::record::WebhookEvent],
     /// The background job the call started (SPEC section 9.2).
     pub job: Option<&'a crate::store::record::Job>,
+    /// The parent of an independent batch: its items and where they stand (SPEC 9.3).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub batch: Option<BatchView>,
+    /// An item of an independent batch: its parent and place.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub item_of: Option<&'a crate::store::record::ItemOf>,
+}
+
+/// A batch's items by state: `committed` (answered, delivered or not), `unknown`
+/// (`outcome_unknown` or `executing`), `not_sent` (no record yet, or nothing sent).
+#[derive(Serialize)]
+pub struct BatchView {
+    pub items: Vec<BatchItemView>,
+    pub committed: usize,
+    pub unknown: usize,
+    pub not_sent: usize,
+}
+
+#[derive(Serialize)]
+pub struct BatchItemView {
+    pub index: usize,
+    pub execution_id: String,
+    /// `None`: the item has no record (the batch stopped before it).
+    pub state: Option<State>,
+}
+
+impl BatchView {
+    /// From the item ids in order and each item's record state, if it has a record.
+    pub fn of(items: Vec<(String, Option<State>)>) -> BatchView {
+        let (mut committed, mut unknown, mut not_sent) = (0, 0, 0);
+        let items = items
+            .into_iter()
+            .enumerate()
+            .map(|(index, (execution_id, state))| {
+                match state {
+                    Some(s) if s.has_result() => committed += 1,
+                    Some(State::OutcomeUnknown | State::Executing) => unknown += 1,
+                    _ => not_sent += 1,
+                }
+                BatchItemView {
+                    index,
+                    execution_id,
+                    state,
+                }
+            })
+            .collect();
+        BatchView {
+            items,
+            committed,
+            unknown,
+            not_sent,
+        }
+    }
 }
 
 impl<'a> Detail<'a> {
@@ -93,6 +154,8 @@ impl<'a> Detail<'a> {
             history: &r.history,
             events: &r.events,
             job: r.job.as_ref(),
+            batch: None,
+            item_of: r.item_of.as_ref(),
         }
     }
 }

@@ -179,6 +179,9 @@ pub struct IdentityConfig {
     /// The header naming the provider's tool call (`identity.tool_call_from`; default the
     /// last of `derive_from`, `X-Tool-Call-Id` in the usual order): logged with the call.
     pub tool_call_from: Option<HeaderName>,
+    /// The header naming the model round (`identity.model_round_from`; default the
+    /// `derive_from` header `X-Model-Round`, when it is one): kept on the record.
+    pub model_round_from: Option<HeaderName>,
     /// MCP: `params._meta` fields whose values, joined with the tool name and version,
     /// make a derived key (used when no key header and no `derive_from` headers are sent).
     pub derive_from_meta: Vec<String>,
@@ -374,6 +377,9 @@ pub struct Route {
     /// routes whose polls this route carries (fixed when the config is resolved), so a
     /// pass-through tests one field to know it observes nothing.
     pub observes: Option<std::sync::Arc<crate::policy::job::JobWatch>>,
+    /// `batch:` (side-effect routes): the items, their keys and, in independent mode, the
+    /// route each item runs on.
+    pub batch: Option<std::sync::Arc<crate::policy::batch::BatchSpec>>,
 }
 
 #[derive(Debug, Clone)]
@@ -619,6 +625,17 @@ fn side_effect_details(details: &mut Vec<String>, r: &Route) {
                 None => format!("job_status={} {} (observed)", st.method, st.path),
             });
         }
+    }
+    if let Some(b) = &r.batch {
+        details.push(match &b.each {
+            Some(each) => format!(
+                "batch=independent({} items, each {} {})",
+                b.items,
+                each.method.as_ref().map_or("POST", |m| m.as_str()),
+                each.path
+            ),
+            None => format!("batch={}({} items)", b.mode.as_str(), b.items),
+        });
     }
     details.push(format!(
         "retention={}",

@@ -84,6 +84,7 @@ pub struct RawIdentity {
     pub tenant_from: Option<Vec<String>>,
     pub operation_from: Option<String>,
     pub tool_call_from: Option<String>,
+    pub model_round_from: Option<String>,
     /// MCP: `params._meta` fields joined into a derived key (SPEC section 11).
     pub derive_from_meta: Option<Vec<String>>,
     /// MCP: one `params._meta` field holding a whole key.
@@ -146,6 +147,25 @@ pub struct RawRoute {
     pub external_id: Option<String>,
     pub webhook: Option<RawWebhook>,
     pub job: Option<RawJob>,
+    pub batch: Option<RawBatch>,
+}
+
+/// `batch:` on a side-effect route (SPEC section 9.3).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawBatch {
+    pub items: Option<String>,
+    pub mode: Option<String>,
+    pub item_key: Option<String>,
+    pub each: Option<RawEach>,
+    pub max_items: Option<usize>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawEach {
+    pub method: Option<String>,
+    pub path: Option<String>,
 }
 
 /// `job:` on a side-effect route (SPEC section 9.2).

@@ -687,6 +687,13 @@ impl Validator {
                 .cloned()
                 .filter(|_| derive_from.len() > 1),
         };
+        let model_round_from = match i.model_round_from {
+            Some(h) => self.header("identity.model_round_from", &h),
+            None => derive_from
+                .iter()
+                .find(|h| h.as_str() == "x-model-round")
+                .cloned(),
+        };
         let derive_from_meta = i.derive_from_meta.unwrap_or_default();
         for (n, f) in derive_from_meta.iter().enumerate() {
             if f.is_empty() {
@@ -705,6 +712,7 @@ impl Validator {
             tenant_from,
             operation_from,
             tool_call_from,
+            model_round_from,
             derive_from_meta,
             key_meta: i.key_meta,
         }
@@ -808,6 +816,7 @@ impl Validator {
             job: None,
             observes: None,
             index_external_id: false,
+            batch: None,
         };
         let mcp = match u.protocol.as_deref() {
             None | Some("http") => {
@@ -932,6 +941,16 @@ impl Validator {
                     );
                     ok = false;
                 }
+            }
+            if t.batch
+                .as_ref()
+                .is_some_and(|b| b.mode.as_deref() == Some("independent"))
+            {
+                self.err(
+                    format!("{tp}.batch.mode"),
+                    "an MCP tool's batch is atomic (one tools/call, one execution; items relative to `arguments`): a server's tool has no per-item request to send each item with",
+                );
+                ok = false;
             }
             if !ok {
                 continue;
@@ -1208,6 +1227,9 @@ impl Validator {
                 }
             }
         });
+        let batch = r
+            .batch
+            .and_then(|b| self.batch(&format!("{path}.batch"), b, class, job.is_some()));
         let downstream_key = match r.downstream_key {
             None if class == Class::Webhook => Some(DownstreamKey {
                 header: HeaderName::from_static("idempotency-key"),
@@ -1336,7 +1358,7 @@ impl Validator {
             }
             None => Some("/id".to_string()),
         };
-        Some(Route {
+        let mut route = Route {
             external_id,
             name,
             method,
@@ -1357,7 +1379,138 @@ impl Validator {
             job,
             observes: None,
             index_external_id: false,
-        })
+            batch: None,
+        };
+        if let Some((mut spec, each)) = batch {
+            // An item goes downstream as a call of its own on the batch route's terms;
+            // the batch's approval covers it, and the batch body's pointers do not apply.
+            spec.each = each.map(|(method, each_path)| {
+                let mut item = route.clone();
+                item.method = Some(method);
+                item.path = each_path;
+                item.approval = None;
+                item.job = None;
+                item.fingerprint.ignore_json.clear();
+                std::sync::Arc::new(item)
+            });
+            route.batch = Some(std::sync::Arc::new(spec));
+        }
+        Some(route)
+    }
+
+    /// A side-effect route's `batch:` block (SPEC section 9.3), with the `each` request of
+    /// an independent batch (method, literal path).
+    fn batch(
+        &mut self,
+        path: &str,
+        b: RawBatch,
+        class: Class,
+        job: bool,
+    ) -> Option<(crate::policy::batch::BatchSpec, Option<(Method, String)>)> {
+        use crate::policy::batch::{BatchSpec, Mode};
+        if class != Class::SideEffect {
+            self.err(path, "only meaningful on side_effect routes");
+            return None;
+        }
+        let items = match b.items {
+            Some(p) => {
+                self.pointer(&format!("{path}.items"), &p);
+                p
+            }
+            None => {
+                self.err(
+                    format!("{path}.items"),
+                    "missing: the JSON pointer to the array of items (e.g. /messages)",
+                );
+                return None;
+            }
+        };
+        let mode = self.one_of(
+            &format!("{path}.mode"),
+            b.mode.as_deref(),
+            Mode::Atomic,
+            &[("independent", Mode::Independent), ("atomic", Mode::Atomic)],
+        );
+        if b.mode.is_none() {
+            self.err(
+                format!("{path}.mode"),
+                "missing: independent (an execution per item) or atomic (one execution)",
+            );
+        }
+        if let Some(p) = &b.item_key {
+            self.pointer(&format!("{path}.item_key"), p);
+        }
+        let max_items = b.max_items.unwrap_or(100);
+        if max_items == 0 || max_items > 10_000 {
+            self.err(
+                format!("{path}.max_items"),
+                format!("expected 1..=10000 items, found {max_items}"),
+            );
+        }
+        let each = match (mode, b.each) {
+            (Mode::Atomic, Some(_)) => {
+                self.err(
+                    format!("{path}.each"),
+                    "only meaningful in independent mode (an atomic batch is sent as is)",
+                );
+                None
+            }
+            (Mode::Atomic, None) => None,
+            (Mode::Independent, None) => {
+                self.err(
+                    format!("{path}.each"),
+                    "missing: how one item is sent downstream (e.g. { method: POST, path: /send })",
+                );
+                return None;
+            }
+            (Mode::Independent, Some(e)) => {
+                if job {
+                    self.err(
+                        format!("{path}.mode"),
+                        "an independent batch cannot also start a job (job:); use atomic",
+                    );
+                }
+                let method = match e.method.as_deref().unwrap_or("POST") {
+                    m @ ("POST" | "PUT" | "PATCH" | "DELETE") => {
+                        Method::from_bytes(m.as_bytes()).expect("literal methods")
+                    }
+                    other => {
+                        self.err(
+                            format!("{path}.each.method"),
+                            format!("expected POST | PUT | PATCH | DELETE, found `{other}`"),
+                        );
+                        Method::POST
+                    }
+                };
+                match e.path {
+                    Some(p) if p.starts_with('/') && !p.contains(['?', '{', '}']) => {
+                        self.normal_path(&format!("{path}.each.path"), &p);
+                        Some((method, p))
+                    }
+                    Some(p) => {
+                        self.err(
+                            format!("{path}.each.path"),
+                            format!("expected a literal path starting with / (no query, no parameters), found `{p}`"),
+                        );
+                        None
+                    }
+                    None => {
+                        self.err(format!("{path}.each.path"), "missing (e.g. /send)");
+                        None
+                    }
+                }
+            }
+        };
+        Some((
+            BatchSpec {
+                items,
+                mode,
+                item_key: b.item_key,
+                max_items: max_items.clamp(1, 10_000),
+                each: None,
+            },
+            each,
+        ))
     }
 
     /// `job.status` (SPEC section 9.2): the upstream's read-only status endpoint of a job.

@@ -316,6 +316,57 @@ fn webhook_routes_fix_the_core_settings_and_refuse_unsafe_settling() {
 }
 
 #[test]
+fn batch_routes_are_read_and_checked() {
+    let cfg = from_yaml(
+        "upstreams:\n  - name: mail\n    url: http://127.0.0.1:1\n    routes:\n      - name: many\n        match: { method: POST, path: /many }\n        approval: { preview: [/memo] }\n        fingerprint: { ignore_json: [/client_ts] }\n        batch: { items: /messages, mode: independent, item_key: /to, each: { path: /send } }\n",
+        Path::new("cfg.yaml"),
+    )
+    .expect("valid");
+    let r = &cfg.upstreams[0].routes[0];
+    let b = r.batch.as_ref().expect("batch spec");
+    assert_eq!(b.mode, crate::policy::batch::Mode::Independent);
+    assert_eq!(b.max_items, 100);
+    let each = b.each.as_ref().expect("the item route");
+    assert_eq!(
+        (each.method.as_ref(), each.path.as_str()),
+        (Some(&Method::POST), "/send")
+    );
+    assert_eq!(each.name, "many", "items are the route's executions");
+    assert!(
+        each.approval.is_none(),
+        "the batch's approval covers the items"
+    );
+    assert!(
+        each.fingerprint.ignore_json.is_empty(),
+        "the batch body's pointers do not apply"
+    );
+
+    let text = errors(
+        "upstreams:\n  - name: mail\n    url: http://127.0.0.1:1\n    routes:\n      - name: a\n        match: { method: POST, path: /a }\n        batch: { items: /m, mode: independent }\n      - name: b\n        match: { method: POST, path: /b }\n        batch: { items: m, mode: atomic, each: { path: /x }, max_items: 0 }\n      - name: c\n        match: { method: GET, path: /c }\n        batch: { items: /m, mode: atomic }\n      - name: d\n        match: { method: POST, path: /d }\n        batch: { items: /m, mode: independent, each: { method: GET, path: \"/x/{id}\" } }\n      - name: e\n        match: { method: POST, path: /e }\n        batch: { mode: sometimes }\n",
+    );
+    for want in [
+        "upstreams[0].routes[0].batch.each: missing",
+        "upstreams[0].routes[1].batch.items:",
+        "upstreams[0].routes[1].batch.each: only meaningful in independent mode",
+        "upstreams[0].routes[1].batch.max_items: expected 1..=10000 items, found 0",
+        "upstreams[0].routes[2].batch: only meaningful on side_effect routes",
+        "upstreams[0].routes[3].batch.each.method: expected POST | PUT | PATCH | DELETE, found `GET`",
+        "upstreams[0].routes[3].batch.each.path: expected a literal path",
+        "upstreams[0].routes[4].batch.items: missing",
+    ] {
+        assert!(text.contains(want), "missing `{want}` in\n{text}");
+    }
+}
+
+#[test]
+fn a_bad_model_round_header_names_its_path() {
+    let text = errors(
+        "identity: { model_round_from: \"X Round\" }\nupstreams:\n  - { name: m, url: http://127.0.0.1:1, routes: [] }\n",
+    );
+    assert!(text.contains("identity.model_round_from"), "{text}");
+}
+
+#[test]
 fn job_status_endpoints_are_observed_by_the_read_only_route_that_carries_them() {
     let yaml = "upstreams:\n  - name: app\n    url: http://127.0.0.1:1\n    routes:\n      - name: start\n        match: { method: POST, path: /exports }\n        job: { id: /id, status: { path: \"/exports/{job_id}\", succeeded: [done], every: 2s } }\n      - { name: show, match: { method: GET, path: \"/exports/{id}\" } }\n      - name: run\n        match: { method: POST, path: /runs }\n        job: { id: /id, status: { path: \"/runs/{job_id}/state\", failed: [failed] } }\n      - { name: other, match: { method: GET, path: /health } }\n";
     let cfg = from_yaml(yaml, Path::new("cfg.yaml")).expect("valid");

@@ -272,6 +272,12 @@ enum Node {
     Obj(Vec<(String, Node)>),
 }
 
+/// The canonical text of one JSON value (what [`args_hash`] hashes a body as), for keys
+/// read out of a body (a batch's item keys); `None` when it is not one JSON value.
+pub fn canonical_text(json: &[u8]) -> Option<String> {
+    String::from_utf8(canonical_json(json, &[]).ok()?).ok()
+}
+
 /// The canonical bytes of `body` with the `ignore` pointer targets removed: RFC 8785 (JCS)
 /// except for numbers, which are written by their exact decimal value in JCS's layout
 /// ([`canonical_number`]) instead of being rounded to a double first: `9007199254740993`

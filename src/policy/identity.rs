@@ -218,10 +218,52 @@ pub fn execution_id(tenant: &TenantScope, upstream: &str, route: &str, key: &str
     ExecutionId(format!("ex_{b64}"))
 }
 
+/// The execution id of item `item_key` of the batch executing as `parent` (SPEC section
+/// 9.3): the parent's id (tenant, upstream, route and key are in it) and the item key,
+/// length-prefixed like [`execution_id`]. Three parts where a call's id has four, so no
+/// client key can name an item's execution: a length-prefixed encoding reads back into
+/// exactly one list of parts.
+pub fn item_execution_id(parent: &ExecutionId, item_key: &str) -> ExecutionId {
+    let mut h = Sha256::new();
+    for part in ["batch-item", parent.as_str(), item_key] {
+        h.update((part.len() as u64).to_be_bytes());
+        h.update(part.as_bytes());
+    }
+    let digest = h.finalize();
+    let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(&digest[..18]);
+    ExecutionId(format!("ex_{b64}"))
+}
+
 /// The parent operation id, from the trusted operation header.
 pub fn operation_id(headers: &HeaderMap, id: &IdentityConfig) -> Option<String> {
-    let h = id.operation_from.as_ref()?;
-    let v = headers.get(h)?.to_str().ok()?.trim();
+    trusted(headers, id.operation_from.as_ref())
+}
+
+/// The orchestration parts a call was identified by, kept on its record so an operator can
+/// find it again (SPEC section 10): ids the orchestrator sent, never argument values.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Correlation {
+    /// `identity.operation_from`.
+    pub operation_id: Option<String>,
+    /// `identity.model_round_from`.
+    pub model_round: Option<String>,
+    /// `identity.tool_call_from`.
+    pub tool_call_id: Option<String>,
+}
+
+/// The [`Correlation`] the trusted headers name; each part is a visible-ASCII value of at
+/// most 255 bytes, else absent.
+pub fn correlation(headers: &HeaderMap, id: &IdentityConfig) -> Correlation {
+    Correlation {
+        operation_id: trusted(headers, id.operation_from.as_ref()),
+        model_round: trusted(headers, id.model_round_from.as_ref()),
+        tool_call_id: trusted(headers, id.tool_call_from.as_ref()),
+    }
+}
+
+/// The value of one trusted orchestration header: trimmed, 1 to 255 bytes.
+fn trusted(headers: &HeaderMap, name: Option<&http::HeaderName>) -> Option<String> {
+    let v = headers.get(name?)?.to_str().ok()?.trim();
     (!v.is_empty() && v.len() <= 255).then(|| v.to_string())
 }
 
@@ -261,6 +303,41 @@ mod tests {
             KeyLookup::Missing
         );
         assert_eq!(operation_id(&h, &c.identity).as_deref(), Some("op_77"));
+    }
+
+    /// Operation, model round and tool call default to their `derive_from` headers, and a
+    /// configured header wins over the default.
+    #[test]
+    fn correlation_reads_the_orchestration_headers() {
+        let c = cfg();
+        let mut h = HeaderMap::new();
+        h.insert("x-operation-id", HeaderValue::from_static("op_77"));
+        h.insert("x-model-round", HeaderValue::from_static(" round_3 "));
+        h.insert("x-tool-call-id", HeaderValue::from_static("call_123"));
+        h.insert("x-round", HeaderValue::from_static("r9"));
+        assert_eq!(
+            correlation(&h, &c.identity),
+            Correlation {
+                operation_id: Some("op_77".into()),
+                model_round: Some("round_3".into()),
+                tool_call_id: Some("call_123".into()),
+            }
+        );
+        let other = from_yaml(
+            "identity: { derive_from: [X-Operation-Id, X-Tool-Call-Id], model_round_from: X-Round }\nupstreams:\n  - { name: m, url: http://127.0.0.1:1, routes: [] }\n",
+            Path::new("t.yaml"),
+        )
+        .expect("valid");
+        let got = correlation(&h, &other.identity);
+        assert_eq!(got.model_round.as_deref(), Some("r9"));
+        assert_eq!(got.tool_call_id.as_deref(), Some("call_123"));
+        let none = from_yaml(
+            "identity: { derive_from: [X-Operation-Id] }\nupstreams:\n  - { name: m, url: http://127.0.0.1:1, routes: [] }\n",
+            Path::new("t.yaml"),
+        )
+        .expect("valid");
+        let got = correlation(&h, &none.identity);
+        assert_eq!((got.model_round, got.tool_call_id), (None, None));
     }
 
     #[test]

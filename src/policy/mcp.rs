@@ -298,15 +298,25 @@ pub fn find_key<H: HeaderLookup + ?Sized>(
     check(identity::join_parts(&refs), max_key_bytes, "derived key")
 }
 
-/// The call's parent operation from `params._meta` (for cancellation): the first
-/// `identity.derive_from_meta` field, as `identity.operation_from` defaults to the first
-/// `derive_from` header.
-pub fn operation_id(call: &ToolCall<'_>, id: &IdentityConfig) -> Option<String> {
-    let field = id.derive_from_meta.first()?;
-    let meta = members(call.meta?)?;
-    let v = string(member(&meta, field)?)?;
-    let v = v.trim();
-    (!v.is_empty() && v.len() <= 255).then(|| v.to_string())
+/// The orchestration ids `params._meta` names, read as the headers' defaults read
+/// `derive_from`: the parent operation (for cancellation) is the first
+/// `identity.derive_from_meta` field, the tool call the last (when there are two or more),
+/// the model round the second (when there are three or more).
+pub fn correlation(call: &ToolCall<'_>, id: &IdentityConfig) -> identity::Correlation {
+    let fields = &id.derive_from_meta;
+    let Some(meta) = call.meta.and_then(members) else {
+        return identity::Correlation::default();
+    };
+    let value = |field: Option<&String>| {
+        let v = string(member(&meta, field?)?)?;
+        let v = v.trim();
+        (!v.is_empty() && v.len() <= 255).then(|| v.to_string())
+    };
+    identity::Correlation {
+        operation_id: value(fields.first()),
+        model_round: value(fields.get(1).filter(|_| fields.len() > 2)),
+        tool_call_id: value(fields.last().filter(|_| fields.len() > 1)),
+    }
 }
 
 fn check(k: String, max: usize, what: &str) -> KeyLookup {
@@ -538,6 +548,7 @@ pub fn error_code(problem: &str) -> i64 {
         "upstream-unavailable" | "upstream-timeout" => -32012,
         "response-too-large" => -32013,
         "tool-rejected" => -32014,
+        "batch-invalid" | "batch-too-large" | "batch-duplicate-item" => -32015,
         _ => -32000,
     }
 }
@@ -579,6 +590,33 @@ mod tests {
         assert_eq!(v["params"]["_meta"]["progressToken"], 3);
         assert_eq!(v["params"]["arguments"]["to"], "a");
         assert_eq!(v["id"], 7);
+    }
+
+    /// `_meta` names operation, model round and tool call as `derive_from_meta` orders them.
+    #[test]
+    fn correlation_from_meta() {
+        let body = br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"send","_meta":{"o":"op_1","r":"round_2","c":" call_3 "}}}"#;
+        let Message::ToolCall(call) = parse(body) else {
+            panic!("a tools/call")
+        };
+        let yaml = |fields: &str| {
+            crate::config::from_yaml(
+                &format!("identity: {{ derive_from_meta: [{fields}] }}\nupstreams:\n  - {{ name: m, url: http://127.0.0.1:1, routes: [] }}\n"),
+                std::path::Path::new("t.yaml"),
+            )
+            .expect("valid")
+            .identity
+        };
+        let all = correlation(&call, &yaml("o, r, c"));
+        assert_eq!(all.operation_id.as_deref(), Some("op_1"));
+        assert_eq!(all.model_round.as_deref(), Some("round_2"));
+        assert_eq!(all.tool_call_id.as_deref(), Some("call_3"));
+        let two = correlation(&call, &yaml("o, c"));
+        assert_eq!(
+            (two.model_round, two.tool_call_id.as_deref()),
+            (None, Some("call_3"))
+        );
+        assert_eq!(correlation(&call, &yaml("o")).tool_call_id, None);
     }
 
     #[test]

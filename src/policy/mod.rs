@@ -2,6 +2,7 @@
 //! Classification (route table), identity, fingerprint, the execution state machine and
 //! reconciliation each live in their own module.
 
+pub mod batch;
 pub mod classify;
 pub mod fingerprint;
 pub mod identity;

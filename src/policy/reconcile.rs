@@ -427,6 +427,7 @@ mod tests {
             job: None,
             observes: None,
             index_external_id: false,
+            batch: None,
         }
     }
 

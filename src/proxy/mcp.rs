@@ -419,7 +419,8 @@ async fn tool_call(
         only_sse,
         arguments: policy::arguments(&call).to_vec(),
         tap: None,
-        operation: policy::operation_id(&call, &cfg.identity),
+        correlation: policy::correlation(&call, &cfg.identity),
+        key: None,
         lookup: None,
     };
     // The tool's own target: its records, metrics and turns are the tool's.
@@ -481,8 +482,16 @@ async fn tool_call(
             return rpc.decision(p.into_response()).await;
         }
     };
+    // An atomic batch tool (SPEC section 9.3, items relative to `arguments`): one
+    // execution, only its size is the batch's business.
+    if let Some(b) = route.batch.as_deref() {
+        if let Err(r) = crate::policy::batch::check_size(b, &rpc.arguments) {
+            return rpc.decision(super::batch::refused(r)).await;
+        }
+    }
     let tenant = identity::tenant_scope(&parts.headers, &cfg.identity.tenant_from);
     let id = identity::execution_id(&tenant, &target.upstream.name, &route.name, &key);
+    rpc.key = Some(key.clone());
     rpc.lookup = mcp
         .lookups
         .iter()
@@ -543,8 +552,10 @@ struct Rpc {
     arguments: Vec<u8>,
     /// Where the server's SSE events go while the call runs (a client that takes SSE).
     tap: Option<Tap>,
-    /// The parent operation named in `params._meta`.
-    operation: Option<String>,
+    /// The orchestration ids named in `params._meta`.
+    correlation: identity::Correlation,
+    /// The key the call was identified by (kept on its record).
+    key: Option<String>,
     /// The tool's `reconcile.tool` lookup, ready to send.
     lookup: Option<Lookup>,
 }
@@ -876,8 +887,8 @@ impl Protocol for Rpc {
         &self.arguments
     }
 
-    fn operation_id(&self) -> Option<String> {
-        self.operation.clone()
+    fn correlation(&self) -> (&identity::Correlation, Option<&str>) {
+        (&self.correlation, self.key.as_deref())
     }
 
     fn has_lookup(&self) -> bool {
@@ -971,7 +982,8 @@ fn rejected_tool(id: &[u8], tool: &str, only_sse: bool) -> Response<ProxyBody> {
         only_sse,
         arguments: Vec::new(),
         tap: None,
-        operation: None,
+        correlation: identity::Correlation::default(),
+        key: None,
         lookup: None,
     };
     let (ct, body) = rpc.framed(message);
@@ -991,7 +1003,8 @@ mod tests {
             only_sse: false,
             arguments: Vec::new(),
             tap: None,
-            operation: None,
+            correlation: identity::Correlation::default(),
+            key: None,
             lookup: None,
         }
     }

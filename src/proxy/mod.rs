@@ -2,6 +2,7 @@
 //! or run it under an execution record (side effect). This module owns the shared state
 //! of a running proxy; the phases live in [`side_effect`] and [`passthrough`].
 
+mod batch;
 mod downstream;
 pub mod jobs;
 pub mod mcp;
@@ -31,6 +32,7 @@ use crate::wire::client::{self, HttpClient};
 use crate::wire::headers::ClientAddr;
 use crate::wire::problem::{Kind, Problem};
 use crate::wire::raw::{RawOutcome, RawRequest};
+use prometheus_client::metrics::counter::Counter;
 
 /// What a config reload swaps as one unit: the validated config and its clients.
 pub struct Runtime {
@@ -57,8 +59,40 @@ impl Runtime {
                     })
                     .collect::<Box<[_]>>()
             })),
+            read_only: Arc::from([]),
         };
         Self::with_clients(Arc::new(config), shared)
+    }
+
+    /// Resolves the per-route counters of `metrics` this config's requests bump, once,
+    /// before the runtime serves (the proxy does it when it takes a runtime).
+    fn count_with(&mut self, metrics: &Metrics) {
+        let counters = self.config.upstreams.iter().map(|u| {
+            let routes = u.routes.iter();
+            let fallbacks = [&u.fallback_side_effect, &u.fallback_read_only];
+            routes
+                .chain(fallbacks)
+                .map(|r| {
+                    let labels = Metrics::labels(&u.name, &r.name);
+                    metrics.read_only.get_or_create(&labels).clone()
+                })
+                .collect::<Box<[_]>>()
+        });
+        self.shared.read_only = Arc::from_iter(counters);
+    }
+
+    /// One read-only request of `target`'s route forwarded: one atomic add.
+    pub fn count_read_only(&self, target: &Target<'_>) {
+        if let Some(routes) = self.shared.read_only.get(target.upstream_index) {
+            let slot = match target.route_ref {
+                RouteRef::Declared(i) => i,
+                RouteRef::FallbackSideEffect => routes.len() - 2,
+                RouteRef::FallbackReadOnly => routes.len() - 1,
+            };
+            if let Some(c) = routes.get(slot) {
+                c.inc();
+            }
+        }
     }
 
     /// The same config with clients of its own. A client's connections live on the
@@ -120,6 +154,10 @@ pub struct Shared {
     /// per upstream, per route (declared, then the two fallbacks): a slow route fills its
     /// own turns and never delays calls to the others.
     pub calls: Arc<[Box<[Arc<tokio::sync::Semaphore>]>]>,
+    /// `idemproxy_read_only_total` of each route, in the same order: resolved from the
+    /// family once per loaded config ([`Runtime::count_with`]), so a read-only request
+    /// adds one to its counter and looks nothing up. Empty until then.
+    pub read_only: Arc<[Box<[Counter]>]>,
 }
 
 /// A running proxy's shared state.
@@ -134,7 +172,9 @@ pub struct Proxy {
 }
 
 impl Proxy {
-    pub fn new(runtime: Runtime, store: Arc<dyn Store>) -> Arc<Proxy> {
+    pub fn new(mut runtime: Runtime, store: Arc<dyn Store>) -> Arc<Proxy> {
+        let metrics = crate::metrics::Metrics::new();
+        runtime.count_with(&metrics);
         let owner = format!(
             "{}-{}-{}",
             hostname(),
@@ -146,7 +186,7 @@ impl Proxy {
             generation: AtomicU64::new(0),
             store,
             owner,
-            metrics: crate::metrics::Metrics::new(),
+            metrics,
         })
     }
 
@@ -155,7 +195,8 @@ impl Proxy {
     }
 
     /// Swap in a reloaded config; requests in flight finish on the old one.
-    pub fn reload(&self, runtime: Runtime) {
+    pub fn reload(&self, mut runtime: Runtime) {
+        runtime.count_with(&self.metrics);
         *self.runtime.write() = Arc::new(runtime);
         // After the swap: a worker that sees the new generation also sees the new runtime.
         self.generation.fetch_add(1, Ordering::Release);
@@ -208,12 +249,15 @@ impl Proxy {
         match target.route.class {
             // The one field test a pass-through pays for jobs: routes carrying a
             // `job.status` endpoint are observed (boxed, off every other request's future).
-            Class::ReadOnly => match &target.route.observes {
-                None => passthrough::forward(rt, client, &target, req, &peer, true).await,
-                Some(watch) => {
-                    Box::pin(jobs::observe(self, rt, client, &target, req, &peer, watch)).await
+            Class::ReadOnly => {
+                rt.count_read_only(&target);
+                match &target.route.observes {
+                    None => passthrough::forward(rt, client, &target, req, &peer, true).await,
+                    Some(watch) => {
+                        Box::pin(jobs::observe(self, rt, client, &target, req, &peer, watch)).await
+                    }
                 }
-            },
+            }
             // Admission (key, body, replay from memory) and what follows are each smaller
             // than the pass-through's future, and a request's future is as large as its
             // largest branch, so neither needs a box of its own.
@@ -412,6 +456,7 @@ impl crate::wire::fast::Handler for Arc<Worker> {
         // An MCP upstream's requests all go the usual way, to `mcp::handle`.
         if req.cut.is_none() && target.upstream.mcp.is_none() {
             if passthrough::takes_raw(&target) {
+                rt.count_read_only(&target);
                 return Either::Left(Box::pin(passthrough::forward_raw(
                     rt.clone(),
                     &target,

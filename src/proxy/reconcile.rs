@@ -207,6 +207,11 @@ pub async fn pass(proxy: &Proxy, budget: usize) -> Result<Pass, StoreError> {
         after = Some(last.id.clone());
         let full = page.len() == 100;
         for record in page {
+            // A batch's parent has nothing to look up: its items are reconciled on their own
+            // records, and the parent goes on when its client retries.
+            if record.batch.is_some() {
+                continue;
+            }
             let Some((i, up, route)) = route_of(&rt, &record) else {
                 continue;
             };

@@ -20,11 +20,12 @@ use super::{downstream, passthrough, reconcile as lookup, replay, Proxy, Runtime
 use crate::config::{Concurrent, Config, On5xx, Route};
 use crate::failpoint;
 use crate::metrics::{Metrics, RouteLabels};
+use crate::policy::batch;
 use crate::policy::classify::Target;
 use crate::policy::fingerprint::{
     args_hash, raw_digest, AmbiguousBody, CallScope, RawDigest, RequestParts,
 };
-use crate::policy::identity::{self, ArgsHash, ExecutionId, KeyLookup, TenantScope};
+use crate::policy::identity::{self, ArgsHash, Correlation, ExecutionId, KeyLookup, TenantScope};
 use crate::policy::reconcile::{self, Plan, Verdict};
 use crate::policy::state::{Event, State};
 use crate::store::{
@@ -53,6 +54,8 @@ pub struct Admitted {
     id: ExecutionId,
     tenant: TenantScope,
     raw: RawDigest,
+    /// The key it was identified by (kept on its record); `None` for a sibling's identity.
+    key: Option<String>,
 }
 
 impl Admitted {
@@ -89,6 +92,7 @@ impl Admitted {
             id,
             tenant,
             raw,
+            key: None,
         }
     }
 }
@@ -172,6 +176,7 @@ pub async fn admit(
         id,
         tenant,
         raw,
+        key: Some(key),
     })
 }
 
@@ -351,6 +356,7 @@ pub async fn run(
         id,
         tenant,
         raw,
+        key,
     } = admitted;
     let args = match args_hash(&map_parts(target, &parts, &body), &target.route.fingerprint) {
         Ok(args) => args,
@@ -365,6 +371,35 @@ pub async fn run(
             .into_response()
         }
     };
+    if let Some(spec) = target.route.batch.as_deref() {
+        match spec.mode {
+            batch::Mode::Independent => {
+                // Boxed: a batch's future holds its items' calls.
+                return Box::pin(super::batch::run(super::batch::Call {
+                    proxy,
+                    rt,
+                    client,
+                    target,
+                    spec,
+                    parts,
+                    body,
+                    id,
+                    tenant,
+                    args,
+                    key,
+                    peer,
+                    queue,
+                }))
+                .await;
+            }
+            // One execution as any call; only the size is the batch's business.
+            batch::Mode::Atomic => {
+                if let Err(r) = batch::check_size(spec, &body) {
+                    return super::batch::refused(r);
+                }
+            }
+        }
+    }
     let call = Call {
         proxy,
         rt,
@@ -378,6 +413,7 @@ pub async fn run(
         tenant,
         peer,
         proto: None,
+        key,
     };
     run_queued(call, queue).await
 }
@@ -417,11 +453,49 @@ pub(super) trait Protocol: Send + Sync {
             Duration::ZERO,
         )))
     }
-    /// The parent operation when the request's headers name none (for cancellation).
-    fn operation_id(&self) -> Option<String> {
+    /// The orchestration ids the protocol's own message names, for those the request's
+    /// headers do not (the parent operation is what cancellation finds), and the key the
+    /// call was identified by.
+    fn correlation(&self) -> (&Correlation, Option<&str>) {
+        (&NO_CORRELATION, None)
+    }
+    /// What the protocol adds to a new record (a batch's items, an item's parent).
+    fn decorate(&self, _record: &mut Record) {}
+    /// Run the call some other way than one downstream request, under the record the
+    /// core made durably `executing` (an independent batch runs its items, each an
+    /// execution of its own). `None`: send the request.
+    fn perform(
+        &self,
+    ) -> Option<std::pin::Pin<Box<dyn std::future::Future<Output = Performed> + Send + '_>>> {
         None
     }
+    /// Whether running the call again is always safe, whatever the last attempt did (a
+    /// batch whose items keep their own records): an `outcome_unknown` retry runs again
+    /// instead of being reconciled.
+    fn resumable(&self) -> bool {
+        false
+    }
 }
+
+/// How a [`Protocol::perform`] ended.
+pub(super) enum Performed {
+    /// Done: this answer is committed on the record.
+    Answer(StoredResponse),
+    /// Stopped part way: the record moves by `event` (`lose_outcome` or
+    /// `fail_before_commit`) for `why`, and the client gets `answer`.
+    Stopped {
+        event: Event,
+        why: String,
+        answer: Response<ProxyBody>,
+    },
+}
+
+/// [`Protocol::correlation`] of a protocol whose messages name no orchestration ids.
+static NO_CORRELATION: Correlation = Correlation {
+    operation_id: None,
+    model_round: None,
+    tool_call_id: None,
+};
 
 /// A downstream answer as a [`Protocol`] judges it.
 pub(super) enum Judged {
@@ -471,6 +545,7 @@ pub(super) async fn run_sibling(
         tenant: call.tenant,
         peer,
         proto: Some(call.proto),
+        key: None,
     };
     run_queued(call, queue).await
 }
@@ -544,6 +619,8 @@ struct Call<'a> {
     peer: &'a ClientAddr,
     /// A sibling lifecycle's edges; `None` for HTTP.
     proto: Option<&'a dyn Protocol>,
+    /// The key the call was identified by, when admission found one ([`Admitted::key`]).
+    key: Option<String>,
 }
 
 /// What to do with an existing record.
@@ -666,20 +743,41 @@ impl Call<'_> {
             upstream: self.target.upstream.name.clone(),
             route: route.name.clone(),
             tool_version: route.tool_version.clone(),
-            operation_id: identity::operation_id(&self.parts.headers, &self.rt.config.identity)
-                .or_else(|| self.proto.and_then(|p| p.operation_id())),
+            operation_id: None,
             args_hash: self.args.clone(),
             method: self.parts.method.to_string(),
             path: self.target.rel_path.clone(),
             query: self.parts.uri.query().map(str::to_string),
             path_params: self.target.params.clone(),
-            preview: route
-                .approval
-                .as_ref()
-                .map(|a| preview(self.preview_source(), &a.preview)),
+            preview: route.approval.as_ref().map(|a| {
+                let mut p = preview(self.preview_source(), &a.preview);
+                // An approver of a batch sees how many items it carries (SPEC section 9.3).
+                if let (Some(b), serde_json::Value::Object(m)) = (&route.batch, &mut p) {
+                    let n = batch::count(b, self.preview_source());
+                    m.insert("items".into(), n.into());
+                }
+                p
+            }),
             now_ms: now,
             expires_at_ms: now.saturating_add(route.retention.as_millis() as i64),
         });
+        // The orchestration parts the call was identified by (SPEC section 10): the
+        // trusted headers first, then what the protocol's message names.
+        let mut ids = identity::correlation(&self.parts.headers, &self.rt.config.identity);
+        let mut key = self.key.clone();
+        if let Some((theirs, their_key)) = self.proto.map(|p| p.correlation()) {
+            ids.operation_id = ids.operation_id.or_else(|| theirs.operation_id.clone());
+            ids.model_round = ids.model_round.or_else(|| theirs.model_round.clone());
+            ids.tool_call_id = ids.tool_call_id.or_else(|| theirs.tool_call_id.clone());
+            key = key.or_else(|| their_key.map(str::to_string));
+        }
+        r.operation_id = ids.operation_id;
+        r.model_round = ids.model_round;
+        r.tool_call_id = ids.tool_call_id;
+        r.key = key;
+        if let Some(p) = self.proto {
+            p.decorate(&mut r);
+        }
         let needs_approval = route.approval.as_ref().is_some_and(|a| a.required);
         let event = if needs_approval {
             Event::RequestApproval
@@ -914,7 +1012,12 @@ impl Call<'_> {
     async fn reconcile(&self, record: Record) -> Step {
         let route = self.route();
         let (upstream_name, route_name) = (&self.target.upstream.name, &route.name);
-        match reconcile::plan(route) {
+        let plan = if self.proto.is_some_and(|p| p.resumable()) {
+            Plan::Resend
+        } else {
+            reconcile::plan(route)
+        };
+        match plan {
             Plan::Resend => {
                 // A re-send may create the effect if the first attempt never did: not
                 // under an operation that was cancelled meanwhile.
@@ -1183,6 +1286,16 @@ impl Call<'_> {
             _ => self.body.clone(),
         };
         tracing::info!(execution_id = %self.id, upstream = %upstream.name, route = %route.name, attempt = record.attempts, resend = mode == SendMode::Resend, "executing");
+        if let Some(work) = self.proto.and_then(|p| p.perform()) {
+            return match work.await {
+                Performed::Answer(stored) => self.finish_committed(record, stored).await,
+                Performed::Stopped { event, why, answer } => {
+                    tracing::warn!(execution_id = %self.id, reason = %why, event = event.as_str(), "stopped part way");
+                    self.record_outcome(record, event, &why).await;
+                    answer
+                }
+            };
+        }
         self.metrics().attempts.get_or_create(&self.labels()).inc();
         let started = tokio::time::Instant::now();
         // Executor retries: only a send that provably never left (connect, DNS, TLS) is
@@ -1235,21 +1348,9 @@ impl Call<'_> {
                     // original request with this key is still being processed.
                     return self.finish_still_in_flight(record).await;
                 }
+                let status = rparts.status;
                 let (stored, server_error) = match self.proto {
-                    None => {
-                        let server_error = rparts.status.is_server_error();
-                        let mut rheaders = rparts.headers;
-                        downstream::stored_headers(&mut rheaders);
-                        let stored = StoredResponse {
-                            status: rparts.status.as_u16(),
-                            headers: rheaders
-                                .iter()
-                                .map(|(n, v)| (n.as_str().to_string(), v.as_bytes().to_vec()))
-                                .collect(),
-                            body: bytes.to_vec(),
-                        };
-                        (stored, server_error)
-                    }
+                    None => http_answer(&rparts, &bytes),
                     Some(p) => match p.judge(&rparts, &bytes) {
                         Judged::Answer {
                             stored,
@@ -1266,16 +1367,13 @@ impl Call<'_> {
                         On5xx::Committed => self.finish_committed(record, stored).await,
                         On5xx::FailedBeforeCommit => {
                             let why = format!(
-                                "downstream answered {} (on_5xx: failed_before_commit)",
-                                rparts.status
+                                "downstream answered {status} (on_5xx: failed_before_commit)"
                             );
                             self.finish_failed(record, why, Some(stored)).await
                         }
                         On5xx::OutcomeUnknown => {
-                            let why = format!(
-                                "downstream answered {} (on_5xx: outcome_unknown)",
-                                rparts.status
-                            );
+                            let why =
+                                format!("downstream answered {status} (on_5xx: outcome_unknown)");
                             self.finish_5xx_unknown(record, why, stored).await
                         }
                     }
@@ -1583,7 +1681,24 @@ where
     Ok(all.freeze())
 }
 
-fn stored_response(stored: &StoredResponse, id: &ExecutionId) -> Response<ProxyBody> {
+/// A plain HTTP answer as it is stored: its status, its headers but those that framed or
+/// routed this one exchange, its body; and whether it is a server error (`on_5xx`).
+pub(super) fn http_answer(rparts: &http::response::Parts, bytes: &Bytes) -> (StoredResponse, bool) {
+    let server_error = rparts.status.is_server_error();
+    let mut rheaders = rparts.headers.clone();
+    downstream::stored_headers(&mut rheaders);
+    let stored = StoredResponse {
+        status: rparts.status.as_u16(),
+        headers: rheaders
+            .iter()
+            .map(|(n, v)| (n.as_str().to_string(), v.as_bytes().to_vec()))
+            .collect(),
+        body: bytes.to_vec(),
+    };
+    (stored, server_error)
+}
+
+pub(super) fn stored_response(stored: &StoredResponse, id: &ExecutionId) -> Response<ProxyBody> {
     let (status, headers) = replay::response_head(stored, id);
     let mut resp = Response::new(body::full(Bytes::from(stored.body.clone())));
     *resp.status_mut() = status;

@@ -4,6 +4,8 @@
 //! record's `version` (the fencing token), and a returned `Ok` means the write is durable.
 //! Beside the records, a store keeps the marks of cancelled parent operations.
 
+#[cfg(test)]
+pub(crate) mod conformance;
 pub mod operation;
 pub mod postgres;
 pub mod record;
@@ -28,7 +30,9 @@ pub enum Claim {
     Existing(Record),
 }
 
-/// Which records a listing returns, in execution-id order after `after`.
+/// Which records a listing returns, in execution-id order after `after`. Every filter given
+/// must match; each store walks the index of the most selective one and checks the others
+/// on the records it reads (docs/STORES.md, "Search").
 #[derive(Clone, Debug, Default)]
 pub struct ListFilter {
     pub status: Option<State>,
@@ -38,6 +42,16 @@ pub struct ListFilter {
     pub external_id: Option<String>,
     /// Records that started a background job (in one state, or any). Indexed in both stores.
     pub job: Option<JobFilter>,
+    /// [`Record::tool_call_id`].
+    pub tool_call: Option<String>,
+    /// [`Record::key`].
+    pub key: Option<String>,
+    pub upstream: Option<String>,
+    pub route: Option<String>,
+    /// Created at or after this instant (ms since the epoch).
+    pub since: Option<i64>,
+    /// Created before this instant (ms since the epoch).
+    pub until: Option<i64>,
     /// Exclusive cursor: the last id of the previous page.
     pub after: Option<ExecutionId>,
     /// Page size; 0 returns an empty page.
@@ -83,6 +97,29 @@ pub enum StoreError {
 }
 
 pub type StoreResult<T> = Result<T, StoreError>;
+
+impl ListFilter {
+    /// Whether `r` matches every filter but the cursor (each store checks this on the
+    /// records its index walk reads).
+    pub fn matches(&self, r: &Record) -> bool {
+        fn is(want: &Option<String>, have: Option<&str>) -> bool {
+            want.as_deref().is_none_or(|w| have == Some(w))
+        }
+        self.status.is_none_or(|s| r.state() == s)
+            && is(&self.operation, r.operation_id.as_deref())
+            && is(&self.tool_call, r.tool_call_id.as_deref())
+            && is(&self.key, r.key.as_deref())
+            && is(&self.upstream, Some(&r.upstream))
+            && is(&self.route, Some(&r.route))
+            && self.since.is_none_or(|t| r.created_at_ms >= t)
+            && self.until.is_none_or(|t| r.created_at_ms < t)
+            && self
+                .external_id
+                .as_deref()
+                .is_none_or(|e| r.external_indexed && r.external_id.as_deref() == Some(e))
+            && self.job.is_none_or(|j| j.admits(r.job.as_ref()))
+    }
+}
 
 /// The durable record store. Implementations must make every successful write durable
 /// (fsync'd or committed) before returning. A write whose future is dropped after it was

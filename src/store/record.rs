@@ -70,6 +70,20 @@ pub struct WebhookEvent {
 
 /// A background job started by the call (SPEC section 9.2). Its state moves only through
 /// [`crate::policy::job::advance`]; the record's own state and stored answer stay as they are.
+/// The parent record of an independent batch: what each item's record is.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Batch {
+    /// The item executions, in request order.
+    pub items: Vec<ExecutionId>,
+}
+
+/// Where an item's record belongs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ItemOf {
+    pub parent: ExecutionId,
+    pub index: usize,
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Job {
     pub id: String,
@@ -101,6 +115,16 @@ pub struct Record {
     /// Parent operation (from the trusted operation header), for cancellation.
     #[serde(default)]
     pub operation_id: Option<String>,
+    /// The model round the call came from (`identity.model_round_from`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_round: Option<String>,
+    /// The provider's tool call id (`identity.tool_call_from`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// The idempotency key as the proxy read it: the client's key (unquoted), or the key
+    /// joined from the `derive_from` headers or `_meta` fields. Ids only, never arguments.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
     pub args_hash: ArgsHash,
     pub method: String,
     /// Path relative to the mount, and the raw query, as first received.
@@ -151,6 +175,13 @@ pub struct Record {
     /// The background job this call started (SPEC section 9.2), on `job:` routes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub job: Option<Job>,
+    /// The parent of an independent batch (SPEC section 9.3): its items' executions in
+    /// request order. Item keys are argument values and are not kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch: Option<Batch>,
+    /// An item of an independent batch: the batch's execution and the item's place in it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub item_of: Option<ItemOf>,
     /// The request body as first sent, kept only on routes whose downstream replays keyed
     /// requests: a re-send under the same key must be byte-identical to the original (such
     /// downstreams compare, and reject a reused key with a changed body), even when the
@@ -224,6 +255,9 @@ impl Record {
             route: n.route,
             tool_version: n.tool_version,
             operation_id: n.operation_id,
+            model_round: None,
+            tool_call_id: None,
+            key: None,
             args_hash: n.args_hash,
             method: n.method,
             path: n.path,
@@ -246,6 +280,8 @@ impl Record {
             history: Vec::new(),
             events: Vec::new(),
             job: None,
+            batch: None,
+            item_of: None,
             sent_body: None,
             send_age: ReadAge(None),
         }
@@ -434,6 +470,29 @@ pub(crate) mod tests {
         assert_eq!(err.from, State::Committed);
         assert_eq!(r.state(), State::Committed, "state unchanged after refusal");
         assert_eq!(r.history.len(), 2);
+    }
+
+    /// A record stored before the correlation fields decodes with them absent.
+    #[test]
+    fn a_record_from_before_the_correlation_fields_decodes() {
+        let mut v: serde_json::Value = serde_json::from_slice(&sample().to_bytes()).unwrap();
+        let obj = v.as_object_mut().expect("an object");
+        assert!(!obj.contains_key("key"), "absent fields are not written");
+        obj.remove("model_round");
+        let back =
+            Record::from_bytes("ex_test", &serde_json::to_vec(&v).unwrap()).expect("decodes");
+        assert_eq!(
+            (back.model_round, back.tool_call_id, back.key),
+            (None, None, None)
+        );
+        let mut r = sample();
+        r.model_round = Some("round_3".into());
+        r.tool_call_id = Some("call_1".into());
+        r.key = Some("k".into());
+        assert_eq!(
+            Record::from_bytes("ex_test", &r.to_bytes()).expect("decodes"),
+            r
+        );
     }
 
     #[test]

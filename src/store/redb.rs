@@ -380,14 +380,17 @@ impl RedbStore {
     }
 
     /// A cheap estimate of the bytes the live records need on disk: the record count
-    /// (kept by redb) times the mean size of a sample, plus the three index entries each.
+    /// (kept by redb) times the mean size of a sample, plus their index entries.
     /// Used to decide whether compaction is worth its time (it reads the whole file).
     pub fn estimated_live_bytes(&self) -> StoreResult<u64> {
         let (count, mean) = Snapshot::begin(&*self.shared.db()?)?.size_sample(64)?;
-        // An index entry is the execution id plus an 8-byte key part; counted for three
-        // indexes, though delivered records have no status entry (a slight over-estimate).
+        // An index entry is the execution id plus a key part of about 8 bytes (a time,
+        // a state, or an id of the caller's); counted for seven indexes (status, expiry,
+        // operation, tool call, key, route, created), though delivered records have no
+        // status entry and not every record has an operation, tool call or key (an
+        // over-estimate).
         let id = 28;
-        Ok(count.saturating_mul(mean + 3 * (id + 8)))
+        Ok(count.saturating_mul(mean + 7 * (id + 8)))
     }
 
     /// Shrinks the file after deletions (run it at startup or after a large `gc`). Returns

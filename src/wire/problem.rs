@@ -49,6 +49,12 @@ pub enum Kind {
     /// A webhook delivery whose signature is missing, wrong or outside the tolerance: 401,
     /// nothing recorded or forwarded (SPEC section 9.1).
     WebhookSignature,
+    /// A batch body without an array at `batch.items`, or an item without its key (400).
+    BatchInvalid,
+    /// More items than `batch.max_items` (413).
+    BatchTooLarge,
+    /// Two items of one batch with the same item key (422).
+    BatchDuplicateItem,
     Internal,
 }
 
@@ -105,16 +111,21 @@ impl Kind {
             Kind::NotImplemented => "not-implemented",
             Kind::RequestTimeout => "request-timeout",
             Kind::WebhookSignature => "webhook-signature",
+            Kind::BatchInvalid => "batch-invalid",
+            Kind::BatchTooLarge => "batch-too-large",
+            Kind::BatchDuplicateItem => "batch-duplicate-item",
             Kind::Internal => "internal",
         }
     }
 
     pub fn status(self) -> StatusCode {
         match self {
-            Kind::KeyMissing | Kind::KeyInvalid | Kind::BodyAmbiguous | Kind::BadRequest => {
-                StatusCode::BAD_REQUEST
-            }
-            Kind::KeyMismatch => StatusCode::UNPROCESSABLE_ENTITY,
+            Kind::KeyMissing
+            | Kind::KeyInvalid
+            | Kind::BodyAmbiguous
+            | Kind::BadRequest
+            | Kind::BatchInvalid => StatusCode::BAD_REQUEST,
+            Kind::KeyMismatch | Kind::BatchDuplicateItem => StatusCode::UNPROCESSABLE_ENTITY,
             Kind::InFlight
             | Kind::Cancelled
             | Kind::Conflict
@@ -124,7 +135,7 @@ impl Kind {
                 StatusCode::BAD_GATEWAY
             }
             Kind::OutcomeUnknownTimeout | Kind::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
-            Kind::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Kind::BodyTooLarge | Kind::BatchTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Kind::ApprovalRequired => StatusCode::PRECONDITION_REQUIRED,
             Kind::Rejected | Kind::Forbidden => StatusCode::FORBIDDEN,
             Kind::NoRoute | Kind::RouteUnmatched | Kind::NotFound => StatusCode::NOT_FOUND,
@@ -167,6 +178,9 @@ impl Kind {
             Kind::NotImplemented => "Not implemented",
             Kind::RequestTimeout => "Request timed out",
             Kind::WebhookSignature => "Webhook signature not verified",
+            Kind::BatchInvalid => "Batch items not found",
+            Kind::BatchTooLarge => "Batch has too many items",
+            Kind::BatchDuplicateItem => "Batch item key repeated",
             Kind::Internal => "Internal error",
         }
     }

@@ -1,6 +1,6 @@
 // Drives the operator console in real headless Chromium (Debian's `chromium`), the way an
 // operator would: sign in with the token, find the pending call, check its preview, click
-// Approve, look the execution up. Run by tests/console.rs, which makes the pending call
+// Approve, look the execution up, filter the executions list and open it from a link. Run by tests/console.rs, which makes the pending call
 // and afterwards checks that its retry executes exactly once.
 //
 // Environment: ADMIN_URL, ADMIN_TOKEN, EXECUTION_ID, EXPECT_PREVIEW (text the card must
@@ -73,6 +73,7 @@ try {
   }
   await page.waitForSelector("#metrics-body tr[data-route]");
   await page.waitForSelector("#unknown-list article");
+  await page.waitForSelector("#executions-result table.executions");
   if (screenshot) await page.screenshot({ path: screenshot, fullPage: true });
 
   await card.locator('button[data-action="approve"]').click();
@@ -128,6 +129,39 @@ try {
       throw new Error(`the record's page does not show its job and result: ${jobDetail}`);
     }
   }
+
+  // The executions list filters by what the calls were made with; the filters live in the
+  // page's address, so the same link shows the same list.
+  const listed = () => page.locator("#executions-result tbody tr")
+    .evaluateAll((rows) => rows.map((r) => r.dataset.id).sort());
+  const rowsAre = (n) => page.waitForFunction(
+    (n) => document.querySelectorAll("#executions-result tbody tr").length === n, n);
+  await page.fill("#filter-form input[name=upstream]", "pay");
+  await page.click("#filter-form button[type=submit]");
+  await rowsAre(2);
+  if (!new URL(page.url()).searchParams.get("upstream")) {
+    throw new Error(`the filter is not in the address: ${page.url()}`);
+  }
+  const pay = await listed();
+  if (!pay.includes(executionId)) throw new Error(`upstream=pay lists ${pay}`);
+  await page.goto(page.url());
+  await rowsAre(2);
+  if ((await page.inputValue("#filter-form input[name=upstream]")) !== "pay") {
+    throw new Error("a linked view does not fill the form");
+  }
+  if (JSON.stringify(await listed()) !== JSON.stringify(pay)) {
+    throw new Error(`a linked view lists ${await listed()}, not ${pay}`);
+  }
+  await page.fill("#filter-form input[name=upstream]", "");
+  await page.fill("#filter-form input[name=key]", "k-mail");
+  await page.click("#filter-form button[type=submit]");
+  await page.waitForSelector(`#executions-result tr[data-id="${answered}"]`);
+  await rowsAre(1);
+  await page.fill("#filter-form input[name=until]", "2001-01-01T00:00:00");
+  await page.click("#filter-form button[type=submit]");
+  await page.waitForSelector("#executions-result:has-text('No execution matches')");
+  await page.click("#filter-clear");
+  await page.waitForFunction(() => location.search === "");
 
   if (problems.length) throw new Error(problems.join("\n"));
   console.log(`console test passed: approved ${executionId} by clicking`);

@@ -14,6 +14,7 @@ const state = {
   limits: { approvals: PAGE, unknown: PAGE, jobs: PAGE },
   timer: null,
   busy: false,
+  executionsNext: null,
 };
 
 // ---- API ---------------------------------------------------------------------------
@@ -256,6 +257,9 @@ function detailView(r) {
     ["Route", `${r.upstream} / ${r.route} (${r.tool_version})`],
     ["Request", `${r.method} ${r.path}${r.query ? "?" + r.query : ""}`],
     ["Operation", r.operation_id || "—"],
+    ["Model round", r.model_round || "—"],
+    ["Tool call", r.tool_call_id || "—"],
+    ["Key", r.key ? el("code", {}, r.key) : "—"],
     ["Arguments hash", el("code", {}, r.args_hash)],
     ["Attempts sent", r.attempts],
     ["Created", when(r.created_at_ms)],
@@ -264,6 +268,10 @@ function detailView(r) {
     ["Stored answer", r.response ? `HTTP ${r.response.status}` : "—"],
     ["Note", r.note || "—"],
   ];
+  if (r.item_of) {
+    rows.push(["Batch item", el("span", {}, `item ${r.item_of.index} of `,
+      el("a", { href: "#", class: "exec-link", onclick: (ev) => { ev.preventDefault(); search(r.item_of.parent); } }, r.item_of.parent))]);
+  }
   const dl = el("dl", { class: "detail" });
   for (const [k, v] of rows) dl.append(el("dt", {}, k), el("dd", {}, v));
   const history = el("table", { class: "history" },
@@ -273,6 +281,7 @@ function detailView(r) {
   const card = el("article", { class: "card", "data-id": r.execution_id },
     el("h3", {}, r.execution_id), dl,
     r.preview ? [el("h4", {}, "Preview"), previewList(r.preview)] : null,
+    r.batch ? [el("h4", {}, "Batch items"), batchView(r.batch)] : null,
     r.response ? [el("h4", {}, "Stored answer"), answerView(r.response)] : null,
     r.job ? [el("h4", {}, "Background job"), jobView(r.job)] : null,
     r.events && r.events.length ? [el("h4", {}, "Webhook events"), eventsView(r.events)] : null,
@@ -327,6 +336,20 @@ async function loadJobs() {
   $("jobs-more").hidden = !page.next;
 }
 
+// An independent batch's items in order, each with its state and a link to its record
+// (docs/BATCHES.md); "not sent" where the batch stopped before the item.
+function batchView(b) {
+  const summary = el("p", { class: "batch-summary" },
+    `${b.committed} committed, ${b.unknown} unknown, ${b.not_sent} not sent`);
+  const table = el("table", { class: "batch" },
+    el("thead", {}, el("tr", {}, el("th", {}, "#"), el("th", {}, "Execution"), el("th", {}, "State"))),
+    el("tbody", {}, b.items.map((i) => el("tr", {},
+      el("td", {}, String(i.index)),
+      el("td", {}, el("a", { href: "#", class: "exec-link", onclick: (ev) => { ev.preventDefault(); search(i.execution_id); } }, i.execution_id)),
+      el("td", {}, i.state ? el("span", { class: `state ${i.state}` }, i.state.replaceAll("_", " ")) : "not sent")))));
+  return el("div", { class: "batch-items" }, summary, table);
+}
+
 // The stored answer as an operator reads it: status, headers as a table, the body
 // decoded (JSON pretty-printed, text as is, anything else its size and a hex preview).
 function answerView(resp) {
@@ -344,6 +367,88 @@ function answerView(resp) {
       `${bytes.length} bytes of binary data: `, el("code", {}, hex + (bytes.length > 64 ? " …" : "")));
   }
   return el("div", { class: "answer" }, el("p", {}, `HTTP ${resp.status}`), headers, body);
+}
+
+// ---- executions: the filtered list ------------------------------------------------
+
+// The list's filters, as the admin API and this page's address name them.
+const FILTERS = ["status", "operation", "tool_call", "key", "upstream", "route", "since", "until"];
+
+// The form's filters as query pairs (times as milliseconds since the epoch).
+function filterQuery() {
+  const form = $("filter-form");
+  const q = new URLSearchParams();
+  for (const name of FILTERS) {
+    const v = form.elements[name].value.trim();
+    if (!v) continue;
+    if (name === "since" || name === "until") {
+      const ms = new Date(v).getTime();
+      if (!Number.isNaN(ms)) q.set(name, String(ms));
+    } else {
+      q.set(name, v);
+    }
+  }
+  return q;
+}
+
+// Fills the form from this page's address (a shared link).
+function filtersFromAddress() {
+  const q = new URLSearchParams(location.search);
+  const form = $("filter-form");
+  let any = false;
+  for (const name of FILTERS) {
+    const v = q.get(name);
+    if (v === null) continue;
+    any = true;
+    if (name === "since" || name === "until") {
+      const d = new Date(Number(v));
+      if (Number.isNaN(d.getTime())) continue;
+      // datetime-local reads local time without a zone.
+      form.elements[name].value = new Date(d.getTime() - d.getTimezoneOffset() * 60000).toISOString().slice(0, 19);
+    } else {
+      form.elements[name].value = v;
+    }
+  }
+  return any;
+}
+
+async function loadExecutions(after) {
+  const q = filterQuery();
+  // The address keeps the filters (not the page): a link opens the first page.
+  history.replaceState(null, "", q.toString() ? `?${q}` : location.pathname);
+  q.set("limit", String(PAGE));
+  if (after) q.set("after", after);
+  const out = $("executions-result");
+  try {
+    const page = await api("GET", `/v1/executions?${q}`);
+    state.executionsNext = page.next || null;
+    $("executions-more").hidden = !page.next;
+    if (!page.items.length) {
+      out.replaceChildren(el("p", { class: "muted" }, after ? "No more executions." : "No execution matches."));
+      return;
+    }
+    // Pages follow the execution id (a stable cursor); within a page, newest first.
+    const items = [...page.items].sort((a, b) => b.created_at_ms - a.created_at_ms);
+    const rows = items.map((r) => {
+      const open = el("button", { type: "button", class: "link" }, r.execution_id);
+      open.addEventListener("click", () => { $("search-id").value = r.execution_id; search(r.execution_id); });
+      return el("tr", { "data-id": r.execution_id },
+        el("td", {}, when(r.created_at_ms)), el("td", {}, `${r.upstream} / ${r.route}`),
+        el("td", {}, el("span", { class: `state ${r.state}` }, r.state.replaceAll("_", " "))),
+        el("td", {}, r.operation_id || "—"), el("td", {}, r.tool_call_id || "—"),
+        el("td", {}, r.response_status ?? "—"), el("td", {}, open));
+    });
+    out.replaceChildren(el("table", { class: "executions" },
+      el("thead", {}, el("tr", {}, el("th", {}, "When"), el("th", {}, "Route"), el("th", {}, "State"),
+        el("th", {}, "Operation"), el("th", {}, "Tool call"), el("th", {}, "Answer"), el("th", {}, "Execution"))),
+      el("tbody", {}, rows)));
+  } catch (err) {
+    if (err instanceof ApiError && err.status === 400) {
+      out.replaceChildren(el("p", { class: "error" }, err.message));
+    } else {
+      failed("The list", err);
+    }
+  }
 }
 
 async function timeline(op) {
@@ -432,6 +537,7 @@ function signedIn() {
   $("session").hidden = false;
   $("whoami").textContent = `signed in as ${operator()}`;
   refresh();
+  loadExecutions();
   clearInterval(state.timer);
   state.timer = setInterval(refresh, REFRESH_MS);
 }
@@ -478,6 +584,16 @@ document.addEventListener("DOMContentLoaded", () => {
     cancelOperation($("cancel-op").value.trim());
   });
   $("jobs-state").addEventListener("change", refresh);
+  $("filter-form").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    loadExecutions();
+  });
+  $("filter-clear").addEventListener("click", () => {
+    $("filter-form").reset();
+    loadExecutions();
+  });
+  $("executions-more").addEventListener("click", () => loadExecutions(state.executionsNext));
+  filtersFromAddress();
   for (const key of ["approvals", "unknown", "jobs"]) {
     $(`${key}-more`).addEventListener("click", () => { state.limits[key] = Math.min(500, state.limits[key] + PAGE); refresh(); });
   }

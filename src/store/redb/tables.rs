@@ -1,5 +1,6 @@
 //! On-disk layout of the redb store: the two record tables (id → place, place → record)
-//! and the three indexes that must change with them, the operation marks, plus the read
+//! and the indexes that must change with them (status, expiry, operation here; the search
+//! indexes in [`search`]), the operation marks, plus the read
 //! queries and per-command write steps built on them. The writer thread and the read path
 //! both go through here, so index upkeep lives in one place.
 
@@ -11,8 +12,9 @@ use ::redb::{
     TableDefinition, WriteTransaction,
 };
 
-use crate::policy::job::JobState;
-use crate::store::{Claim, JobFilter, ListFilter, OperationMark, Record, StoreError, StoreResult};
+use crate::store::{Claim, ListFilter, OperationMark, Record, StoreError, StoreResult};
+
+pub(super) mod search;
 
 /// Execution id → the record's place in [`RECORD_DATA`]. Ids are hashes, so every claim
 /// writes this table at a random place; its entries are small (about 60 bytes), so that
@@ -185,7 +187,8 @@ pub(super) fn create_all(db: &Database, chunk: usize) -> StoreResult<()> {
             "moved the store's records to the current layout"
         );
     }
-    build_indexes(db, chunk)
+    build_indexes(db, chunk)?;
+    search::build(db, chunk)
 }
 
 /// Notes in [`INDEX_BUILDS`] every index of [`BUILT_AT_OPEN`] the file does not have yet
@@ -288,6 +291,8 @@ where
 
     /// The record at `place`, which [`RECORD_IDS`] gave for `id`.
     fn load_at(&self, id: &str, place: u64) -> StoreResult<Record> {
+        #[cfg(test)]
+        LOADS.with(|n| n.set(n.get() + 1));
         match self.data.get(place).map_err(storage)? {
             Some(bytes) => Record::from_bytes(id, bytes.value()),
             None => Err(dangling("id", id)),
@@ -383,156 +388,7 @@ impl Snapshot {
     }
 
     pub(super) fn list(&self, filter: &ListFilter) -> StoreResult<Vec<Record>> {
-        let mut out = Vec::new();
-        if filter.limit == 0 {
-            return Ok(out);
-        }
-        let records = self.records()?;
-        let after = filter.after.as_ref().map(|a| a.as_str());
-        let wanted = |r: &Record| {
-            filter.status.is_none_or(|s| r.state() == s)
-                && filter
-                    .operation
-                    .as_ref()
-                    .is_none_or(|op| r.operation_id.as_ref() == Some(op))
-                && filter
-                    .external_id
-                    .as_ref()
-                    .is_none_or(|e| r.external_id.as_ref() == Some(e))
-                && filter.job.is_none_or(|j| j.admits(r.job.as_ref()))
-        };
-        // Walk whichever index narrows the most; each yields ids in id order, which is the
-        // order the cursor needs. Delivered records are not in the status index.
-        if let Some(state) = filter
-            .status
-            .filter(|s| status_indexed(s.code()) && filter.external_id.is_none())
-        {
-            let by_status = self.txn.open_table(BY_STATUS).map_err(storage)?;
-            for id in ids_in_state(&by_status, state.code(), after)? {
-                let id = id?;
-                let loaded = records
-                    .load(&id)
-                    .and_then(|r| r.ok_or_else(|| dangling("status", &id)));
-                let Some(record) = listable(loaded)? else {
-                    continue;
-                };
-                if wanted(&record) {
-                    out.push(record);
-                    if out.len() >= filter.limit {
-                        break;
-                    }
-                }
-            }
-        } else if let Some(ext) = filter.external_id.as_deref() {
-            let by_external = self.txn.open_table(BY_EXTERNAL).map_err(storage)?;
-            let lower = match after {
-                Some(a) => Bound::Excluded((ext, a)),
-                None => Bound::Included((ext, "")),
-            };
-            let range = by_external
-                .range::<(&str, &str)>((lower, Bound::Unbounded))
-                .map_err(storage)?;
-            for entry in range {
-                let (key, _) = entry.map_err(storage)?;
-                let (key_ext, id) = key.value();
-                if key_ext != ext {
-                    break;
-                }
-                let loaded = records
-                    .load(id)
-                    .and_then(|r| r.ok_or_else(|| dangling("external id", id)));
-                let Some(record) = listable(loaded)? else {
-                    continue;
-                };
-                if wanted(&record) {
-                    out.push(record);
-                    if out.len() >= filter.limit {
-                        break;
-                    }
-                }
-            }
-        } else if let Some(job) = filter.job {
-            let by_job = self.txn.open_table(BY_JOB).map_err(storage)?;
-            let codes: Vec<u8> = match job {
-                JobFilter::Any => JobState::ALL.iter().map(|s| s.code()).collect(),
-                JobFilter::In(s) => vec![s.code()],
-            };
-            // Each state's entries are in id order: merged lazily, smallest id first.
-            let mut walks = Vec::new();
-            for code in codes {
-                walks.push(ids_in_state(&by_job, code, after)?);
-            }
-            let mut heads = walks
-                .iter_mut()
-                .map(|w| w.next().transpose())
-                .collect::<StoreResult<Vec<Option<String>>>>()?;
-            while let Some(i) = (0..heads.len())
-                .filter(|&i| heads[i].is_some())
-                .min_by(|&a, &b| heads[a].cmp(&heads[b]))
-            {
-                let id = std::mem::replace(&mut heads[i], walks[i].next().transpose()?)
-                    .expect("a head was chosen");
-                let loaded = records
-                    .load(&id)
-                    .and_then(|r| r.ok_or_else(|| dangling("job", &id)));
-                let Some(record) = listable(loaded)? else {
-                    continue;
-                };
-                if wanted(&record) {
-                    out.push(record);
-                    if out.len() >= filter.limit {
-                        break;
-                    }
-                }
-            }
-        } else if let Some(op) = filter.operation.as_deref() {
-            let by_operation = self.txn.open_table(BY_OPERATION).map_err(storage)?;
-            let lower = match after {
-                Some(a) => Bound::Excluded((op, a)),
-                None => Bound::Included((op, "")),
-            };
-            let range = by_operation
-                .range::<(&str, &str)>((lower, Bound::Unbounded))
-                .map_err(storage)?;
-            for entry in range {
-                let (key, _) = entry.map_err(storage)?;
-                let (key_op, id) = key.value();
-                if key_op != op {
-                    break;
-                }
-                let loaded = records
-                    .load(id)
-                    .and_then(|r| r.ok_or_else(|| dangling("operation", id)));
-                let Some(record) = listable(loaded)? else {
-                    continue;
-                };
-                if wanted(&record) {
-                    out.push(record);
-                    if out.len() >= filter.limit {
-                        break;
-                    }
-                }
-            }
-        } else {
-            let lower = after.map_or(Bound::Unbounded, Bound::Excluded);
-            let range = records
-                .ids
-                .range::<&str>((lower, Bound::Unbounded))
-                .map_err(storage)?;
-            for entry in range {
-                let (id, place) = entry.map_err(storage)?;
-                let Some(record) = listable(records.load_at(id.value(), place.value()))? else {
-                    continue;
-                };
-                if wanted(&record) {
-                    out.push(record);
-                    if out.len() >= filter.limit {
-                        break;
-                    }
-                }
-            }
-        }
-        Ok(out)
+        search::list(&self.txn, &self.records()?, filter)
     }
 
     /// Records stored, and the mean stored size of the first `sample` of them (the id
@@ -578,7 +434,7 @@ impl Snapshot {
     }
 }
 
-/// The eight tables opened inside one write transaction. Every method either fails with
+/// The tables opened inside one write transaction (the search indexes in [`search`]). Every method either fails with
 /// [`StoreError::Backend`] (redb failed: the caller aborts the batch) or checks everything
 /// before its first write, so a logical refusal (Conflict, NotFound, Corrupt) writes nothing
 /// and the rest of the batch goes on.
@@ -593,6 +449,7 @@ pub(super) struct WriteTables<'t> {
     by_external: Table<'t, (&'static str, &'static str), ()>,
     by_job: Table<'t, (u8, &'static str), ()>,
     operations: Table<'t, &'static str, &'static [u8]>,
+    search: search::SearchTables<'t>,
 }
 
 impl<'t> WriteTables<'t> {
@@ -614,6 +471,7 @@ impl<'t> WriteTables<'t> {
             by_external: txn.open_table(BY_EXTERNAL).map_err(storage)?,
             by_job: txn.open_table(BY_JOB).map_err(storage)?,
             operations: txn.open_table(OPERATIONS).map_err(storage)?,
+            search: search::SearchTables::open(txn)?,
         })
     }
 
@@ -824,6 +682,10 @@ impl<'t> WriteTables<'t> {
                 .insert((new.expires_at_ms, id), ())
                 .map_err(storage)?;
         }
+        if old.is_none() {
+            // Keyed by what a claim fixes for good: an update never moves them.
+            self.search.insert(new)?;
+        }
         let old_op = old.as_ref().and_then(|o| o.operation_id);
         let new_op = new.operation_id.as_deref();
         if old.is_none() || old_op != new_op {
@@ -950,7 +812,7 @@ impl<'t> WriteTables<'t> {
                 .remove((job.state.code(), id))
                 .map_err(storage)?;
         }
-        Ok(())
+        self.search.remove(record)
     }
 }
 
@@ -974,6 +836,12 @@ pub(super) fn drop_job_indexes(db: &Database) {
     txn.delete_table(BY_JOB).expect("deletes");
     txn.delete_table(INDEX_BUILDS).expect("deletes");
     txn.commit().expect("commits");
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Records decoded on this thread (tests count what a listing reads).
+    pub(super) static LOADS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
 /// The number of entries in each table (records, status, expiry, operation), for tests

@@ -950,6 +950,179 @@ async fn a_listing_skips_an_unreadable_record() {
     );
 }
 
+/// The search filters and paging, as every store runs them (`store::conformance`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn search_filters_and_pages_like_every_store() {
+    let (_dir, store) = open_temp();
+    crate::store::conformance::search(&store).await;
+    // Every record has a route and a creation entry; tool calls and keys where they exist.
+    let db = store.shared.db().expect("open");
+    let records = crate::store::conformance::search_records();
+    let with = |f: fn(&Record) -> bool| records.iter().filter(|r| f(r)).count() as u64;
+    assert_eq!(
+        tables::search::sizes(&db),
+        [
+            with(|r| r.tool_call_id.is_some()),
+            with(|r| r.key.is_some()),
+            40,
+            40
+        ]
+    );
+}
+
+/// gc takes a record's search entries with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gc_removes_the_search_entries() {
+    let (_dir, store) = open_temp();
+    let mut r = record("ex_a", None, 10);
+    r.tool_call_id = Some("call_a".into());
+    r.key = Some("key_a".into());
+    // Claimed as they are: a record's search fields are fixed by its claim.
+    claimed(&store, r).await;
+    claimed(&store, record("ex_b", None, 1_000)).await;
+    let db = store.shared.db().expect("open");
+    assert_eq!(tables::search::sizes(&db), [1, 1, 2, 2]);
+    assert_eq!(store.gc(20, 100).await.expect("gc"), 1);
+    assert_eq!(tables::search::sizes(&db), [0, 0, 1, 1]);
+}
+
+/// A file written before the search indexes gets their entries when it is opened, a chunk
+/// per transaction, and a build cut short by a crash goes on where its last chunk ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_from_before_the_search_indexes_becomes_searchable_when_opened() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("store.redb");
+    let store = RedbStore::open(&path).expect("opens");
+    for i in 0..8 {
+        let mut r = record(&format!("ex_{i:02}"), None, 100);
+        if i % 2 == 1 {
+            r.upstream = "pay".into();
+        }
+        r.created_at_ms = 50 + i;
+        claimed(&store, r).await;
+    }
+    drop(store);
+
+    let db = ::redb::Database::open(&path).expect("opens raw");
+    tables::search::forget(&db);
+    assert!(!tables::table_names(&db).contains(&"by_route".to_string()));
+    // A build that stops after its first chunk (a crash): what it committed stays, and
+    // the next open goes on after it.
+    use tables::search::{build_step, Step};
+    assert_eq!(build_step(&db, 3).expect("builds"), Step::Indexed(3));
+    assert!(!tables::search::built(&db));
+    assert_eq!(tables::search::sizes(&db), [0, 0, 3, 3]);
+    tables::create_all(&db, 3).expect("builds");
+    assert!(tables::search::built(&db));
+    assert_eq!(tables::search::sizes(&db), [0, 0, 8, 8]);
+    drop(db);
+
+    let store = RedbStore::open(&path).expect("opens the built file");
+    let pay = store
+        .list(&ListFilter {
+            upstream: Some("pay".into()),
+            limit: 100,
+            ..ListFilter::default()
+        })
+        .await
+        .expect("list");
+    let ids: Vec<_> = pay.iter().map(|r| r.id.as_str()).collect();
+    assert_eq!(ids, ["ex_01", "ex_03", "ex_05", "ex_07"]);
+    let early = store
+        .list(&ListFilter {
+            until: Some(53),
+            limit: 100,
+            ..ListFilter::default()
+        })
+        .await
+        .expect("list");
+    assert_eq!(early.len(), 3);
+}
+
+/// A filtered listing reads the records its index names, not the store: among 2,000
+/// records, a page of a rare tool call, key, route or time range decodes about as many
+/// records as it returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_filtered_listing_reads_what_its_index_names() {
+    let (_dir, store) = open_temp();
+    let store = Arc::new(store);
+    for chunk in 0..20 {
+        in_one_batch(&store, 100, |i| {
+            let store = store.clone();
+            async move {
+                let n = chunk * 100 + i;
+                let mut r = record(&format!("ex_{n:05}"), None, 10_000);
+                r.upstream = format!("up_{}", n % 4);
+                r.route = format!("route_{}", n % 40);
+                r.tool_call_id = Some(format!("call_{}", n % 1000));
+                r.key = Some(format!("key_{n}"));
+                r.created_at_ms = 1_000 + n as i64;
+                claimed(&store, r).await
+            }
+        })
+        .await;
+    }
+    let db = store.shared.db().expect("open");
+    let snapshot = tables::Snapshot::begin(&db).expect("snapshot");
+    let s = |v: &str| Some(v.to_string());
+    for (filter, found) in [
+        (
+            ListFilter {
+                tool_call: s("call_7"),
+                ..ListFilter::default()
+            },
+            2,
+        ),
+        (
+            ListFilter {
+                key: s("key_77"),
+                ..ListFilter::default()
+            },
+            1,
+        ),
+        (
+            ListFilter {
+                upstream: s("up_1"),
+                route: s("route_5"),
+                ..ListFilter::default()
+            },
+            50,
+        ),
+        (
+            ListFilter {
+                route: s("route_5"),
+                ..ListFilter::default()
+            },
+            50,
+        ),
+        (
+            ListFilter {
+                upstream: s("up_2"),
+                ..ListFilter::default()
+            },
+            10,
+        ),
+        (
+            ListFilter {
+                since: Some(1_500),
+                until: Some(1_530),
+                ..ListFilter::default()
+            },
+            10,
+        ),
+    ] {
+        let filter = ListFilter {
+            limit: 10,
+            ..filter
+        };
+        tables::LOADS.with(|n| n.set(0));
+        let page = snapshot.list(&filter).expect("list");
+        let loads = tables::LOADS.with(|n| n.get());
+        assert_eq!(page.len(), found.min(10), "{filter:?}");
+        assert_eq!(loads, page.len() as u64, "{filter:?} read {loads} records");
+    }
+}
+
 /// A committed record that started job `job` (also its external id), in `state`.
 fn with_job(id_: &str, job: &str, state: crate::policy::job::JobState) -> Record {
     let mut r = executing(record(id_, None, 100), None);
