@@ -1410,10 +1410,11 @@ impl Call<'_> {
         event: Event,
         note: Option<String>,
     ) -> Result<Record, StoreError> {
-        if let Err(e) = record.apply(event, now_ms(), note) {
+        let now = now_ms();
+        if let Err(e) = record.apply(event, now, note) {
             return Err(StoreError::Backend(e.to_string()));
         }
-        let mut settled = crate::policy::webhook::settle_held(&mut record, now_ms());
+        let mut settled = crate::policy::webhook::settle_held(&mut record, now);
         let mut update = self.proxy.store.update(record.clone()).await;
         for _ in 0..3 {
             let Err(StoreError::Conflict { .. }) = &update else {
