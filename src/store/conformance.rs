@@ -233,3 +233,162 @@ pub(crate) async fn search(store: &dyn Store) {
     assert_eq!(back.tool_call_id.as_deref(), Some("call_1"));
     assert_eq!(back.key.as_deref(), Some("key_6"));
 }
+
+/// Stores records with jobs in every state and external ids (indexed or only kept), and
+/// checks the `external_id` and `job` filters alone and with others, paged three at a time
+/// and as a page of one, against a plain reading; then a job ends and moves between
+/// listings (its index entries move with the update).
+pub(crate) async fn jobs(store: &dyn Store) {
+    use super::record::Job;
+    use super::JobFilter;
+    use crate::policy::job::JobState;
+    let mut records: Vec<Record> = (0..30)
+        .map(|i: i64| {
+            let mut r = Record::new(NewRecord {
+                // Ids out of the order the states cycle in.
+                id: ExecutionId(format!("ex_{:02}", i * 7 % 30)),
+                tenant: TenantScope("t".into()),
+                upstream: if i % 2 == 0 { "mail" } else { "pay" }.into(),
+                route: "send".into(),
+                tool_version: "v1".into(),
+                operation_id: None,
+                args_hash: ArgsHash("ab".into()),
+                method: "POST".into(),
+                path: "/x".into(),
+                query: None,
+                path_params: vec![],
+                preview: None,
+                now_ms: 10_000 + i,
+                expires_at_ms: i64::MAX / 2,
+            });
+            for e in [Event::Start, Event::Commit] {
+                r.apply(e, 10_000 + i, None).expect("legal");
+            }
+            if i % 3 == 0 {
+                r.apply(Event::Deliver, 10_000 + i, None).expect("legal");
+            }
+            // Shared external ids; a third of them kept but not indexed.
+            r.external_id = Some(format!("ext_{}", i % 4));
+            r.external_indexed = i % 3 != 2;
+            if i % 5 != 0 {
+                r.external_indexed = true;
+                r.job = Some(Job {
+                    id: format!("job_{i}"),
+                    state: JobState::ALL[(i % 3) as usize],
+                    result: None,
+                    event: None,
+                    ended_by: None,
+                    started_at_ms: 10_000 + i,
+                    updated_at_ms: 10_000 + i,
+                });
+            }
+            r
+        })
+        .collect();
+    for r in &records {
+        let mut claimed = r.clone();
+        claimed.version = 0;
+        let stored = match store.claim(claimed).await.expect("claim") {
+            super::Claim::Claimed(r) => r,
+            super::Claim::Existing(r) => panic!("{} exists", r.id),
+        };
+        assert_eq!(stored.state(), r.state());
+    }
+    records.sort_by(|a, b| a.id.cmp(&b.id));
+    let check = |records: Vec<Record>| async move {
+        let s = |v: &str| Some(v.to_string());
+        let filters = [
+            ListFilter {
+                external_id: s("ext_1"),
+                ..ListFilter::default()
+            },
+            ListFilter {
+                external_id: s("ext_none"),
+                ..ListFilter::default()
+            },
+            ListFilter {
+                job: Some(JobFilter::Any),
+                ..ListFilter::default()
+            },
+            ListFilter {
+                job: Some(JobFilter::In(JobState::Running)),
+                ..ListFilter::default()
+            },
+            ListFilter {
+                job: Some(JobFilter::In(JobState::Failed)),
+                upstream: s("pay"),
+                ..ListFilter::default()
+            },
+            ListFilter {
+                job: Some(JobFilter::In(JobState::Succeeded)),
+                status: Some(State::Committed),
+                ..ListFilter::default()
+            },
+            ListFilter {
+                external_id: s("ext_2"),
+                job: Some(JobFilter::Any),
+                ..ListFilter::default()
+            },
+        ];
+        for filter in filters {
+            let want: Vec<&str> = records
+                .iter()
+                .filter(|r| {
+                    filter.status.is_none_or(|s| s == r.state())
+                        && filter.upstream.as_ref().is_none_or(|u| *u == r.upstream)
+                        && filter
+                            .external_id
+                            .as_ref()
+                            .is_none_or(|e| r.external_indexed && r.external_id.as_ref() == Some(e))
+                        && filter.job.is_none_or(|j| match (j, &r.job) {
+                            (_, None) => false,
+                            (JobFilter::Any, Some(_)) => true,
+                            (JobFilter::In(s), Some(job)) => job.state == s,
+                        })
+                })
+                .map(|r| r.id.as_str())
+                .collect();
+            let mut got: Vec<String> = Vec::new();
+            let mut after = None;
+            for _ in 0..100 {
+                let page = store
+                    .list(&ListFilter {
+                        after: after.clone(),
+                        limit: 3,
+                        ..filter.clone()
+                    })
+                    .await
+                    .expect("list");
+                let Some(last) = page.last() else { break };
+                after = Some(last.id.clone());
+                got.extend(page.iter().map(|r| r.id.to_string()));
+            }
+            assert_eq!(got, want, "{filter:?}");
+            let one = store
+                .list(&ListFilter {
+                    limit: 1,
+                    ..filter.clone()
+                })
+                .await
+                .expect("list");
+            assert_eq!(
+                one.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(),
+                want.iter().take(1).copied().collect::<Vec<_>>(),
+                "{filter:?}"
+            );
+        }
+    };
+    check(records.clone()).await;
+    // Every running job ends: each moves from one listing to the other.
+    for r in records.iter_mut() {
+        let Some(job) = r.job.as_mut() else { continue };
+        if job.state != JobState::Running {
+            continue;
+        }
+        job.state = JobState::Succeeded;
+        let mut stored = store.get(&r.id).await.expect("get").expect("stored");
+        stored.job.as_mut().expect("job").state = JobState::Succeeded;
+        store.update(stored).await.expect("update");
+    }
+    check(records).await;
+}

@@ -1522,6 +1522,15 @@ mod tests {
         .await;
     }
 
+    #[tokio::test]
+    async fn jobs_and_external_ids_list_like_every_store() {
+        with_schema(|url, schema| async move {
+            let s = store(&url, &schema).await;
+            crate::store::conformance::jobs(&s).await;
+        })
+        .await;
+    }
+
     /// Each search filter is answered through its index, not a scan of the table: the
     /// plans of `list`'s own statements over 20,000 rows.
     #[tokio::test]

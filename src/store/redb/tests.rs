@@ -1255,3 +1255,9 @@ async fn external_ids_and_jobs_are_indexed_and_built_for_older_files() {
         [0, 0]
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_and_external_ids_list_like_every_store() {
+    let (_dir, store) = open_temp();
+    crate::store::conformance::jobs(&store).await;
+}
