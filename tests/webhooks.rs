@@ -413,25 +413,15 @@ async fn an_event_for_a_call_still_executing_is_held_and_settles_it_when_it_time
     let c = client();
     // The downstream commits, then answers after the route's 1s timeout.
     let charge = proxy.url("/pay/timeout-after-commit/send");
-    let call = {
-        let (c, charge) = (c.clone(), charge.clone());
-        tokio::spawn(async move {
-            post(
-                &c,
-                &charge,
-                &[("Idempotency-Key", "order-78")],
-                r#"{"amount":5}"#,
-            )
-            .await
-        })
-    };
-    wait_for_hit(&env.ds, "/timeout-after-commit/send").await;
-    let exec = env
-        .ds
-        .last_headers("/timeout-after-commit/send")
-        .and_then(|h| h.into_iter().find(|(k, _)| k == "idempotency-key"))
-        .map(|(_, v)| v)
-        .expect("the injected key");
+    let (call, exec) = call_in_flight(
+        &env,
+        &c,
+        &charge,
+        "order-78",
+        r#"{"amount":5}"#,
+        "/timeout-after-commit/send",
+    )
+    .await;
     let event = format!(
         r#"{{"id":"evt_pi_78","type":"payment_intent.succeeded","data":{{"object":{{"id":"pi_78","metadata":{{"execution_id":"{exec}"}}}}}}}}"#
     );
@@ -910,26 +900,15 @@ async fn a_held_event_settles_a_call_whose_instance_died_while_it_executed() {
     let proxy = env.start();
     let c = client();
     // The downstream takes 3 s; the proxy is killed while the call executes.
-    let charge = proxy.url("/pay/drop-after-commit/send?delay_ms=3000");
-    let call = {
-        let (c, charge) = (c.clone(), charge.clone());
-        tokio::spawn(async move {
-            post(
-                &c,
-                &charge,
-                &[("Idempotency-Key", "order-79")],
-                r#"{"amount":9}"#,
-            )
-            .await
-        })
-    };
-    wait_for_hit(&env.ds, "/drop-after-commit/send").await;
-    let exec = env
-        .ds
-        .last_headers("/drop-after-commit/send")
-        .and_then(|h| h.into_iter().find(|(k, _)| k == "idempotency-key"))
-        .map(|(_, v)| v)
-        .expect("the injected key");
+    let (call, exec) = call_in_flight(
+        &env,
+        &c,
+        &proxy.url("/pay/drop-after-commit/send?delay_ms=3000"),
+        "order-79",
+        r#"{"amount":9}"#,
+        "/drop-after-commit/send",
+    )
+    .await;
     let event = format!(
         r#"{{"id":"evt_pi_79","type":"payment_intent.succeeded","data":{{"object":{{"id":"pi_79"}}}},"request":{{"idempotency_key":"{exec}"}}}}"#
     );
@@ -952,4 +931,28 @@ async fn a_held_event_settles_a_call_whose_instance_died_while_it_executed() {
     assert_eq!(r.header("idempotency-reconciled"), Some("webhook"));
     assert_eq!(r.json()["id"], "pi_79");
     assert_eq!(env.ds.hits_on("/drop-after-commit/send"), 1);
+}
+
+/// Start a side-effect call in the background and wait until the downstream has it: the
+/// call's task and the key the proxy injected (its execution id).
+async fn call_in_flight(
+    env: &Env,
+    c: &TestClient,
+    url: &str,
+    key: &'static str,
+    body: &'static str,
+    hit: &str,
+) -> (tokio::task::JoinHandle<Resp>, String) {
+    let call = {
+        let (c, url) = (c.clone(), url.to_string());
+        tokio::spawn(async move { post(&c, &url, &[("Idempotency-Key", key)], body).await })
+    };
+    wait_for_hit(&env.ds, hit).await;
+    let exec = env
+        .ds
+        .last_headers(hit)
+        .and_then(|h| h.into_iter().find(|(k, _)| k == "idempotency-key"))
+        .map(|(_, v)| v)
+        .expect("the injected key");
+    (call, exec)
 }

@@ -21,7 +21,7 @@ use crate::metrics::Metrics;
 use crate::policy::identity::ExecutionId;
 use crate::policy::job::JobState;
 use crate::policy::state::State;
-use crate::store::{JobFilter, ListFilter, Record};
+use crate::store::{JobFilter, ListFilter, Record, Store};
 use crate::wire::body::{full, ProxyBody, RequestBody};
 
 /// Largest JSON body an admin call accepts (a resolve result is the only big one).
@@ -183,22 +183,10 @@ async fn dispatch(
             Ok(resp)
         }
         Endpoint::List => {
-            let filter = list_filter(req.uri().query())?;
-            let limit = filter.limit;
-            // One more than asked tells whether another page follows.
-            let mut records = store
-                .list(&ListFilter {
-                    limit: limit + 1,
-                    ..filter
-                })
-                .await?;
-            let more = records.len() > limit;
-            records.truncate(limit);
-            let next = if more {
-                records.last().map(|r| r.id.as_str())
-            } else {
-                None
-            };
+            let (records, more) = page(store, list_filter(req.uri().query())?).await?;
+            let next = more
+                .then(|| records.last().map(|r| r.id.as_str()))
+                .flatten();
             Ok(json(
                 StatusCode::OK,
                 &view::Page {
@@ -208,22 +196,11 @@ async fn dispatch(
             ))
         }
         Endpoint::Jobs => {
-            let filter = job_filter(req.uri().query())?;
-            let limit = filter.limit;
             // Served from the job-state index of either store, a page at a time.
-            let mut records = store
-                .list(&ListFilter {
-                    limit: limit + 1,
-                    ..filter
-                })
-                .await?;
-            let more = records.len() > limit;
-            records.truncate(limit);
-            let next = if more {
-                records.last().map(|r| r.id.as_str())
-            } else {
-                None
-            };
+            let (records, more) = page(store, job_filter(req.uri().query())?).await?;
+            let next = more
+                .then(|| records.last().map(|r| r.id.as_str()))
+                .flatten();
             let views: Vec<_> = records
                 .iter()
                 .filter_map(|r| {
@@ -472,6 +449,21 @@ struct ApproveBody {
     /// The args_hash the approver reviewed (from the 428 problem or the listing).
     args_hash: String,
     by: Option<String>,
+}
+
+/// A page of `filter`'s records and whether another page follows (one more than asked
+/// is read to tell).
+async fn page(store: &dyn Store, filter: ListFilter) -> Result<(Vec<Record>, bool), AdminError> {
+    let limit = filter.limit;
+    let mut records = store
+        .list(&ListFilter {
+            limit: limit + 1,
+            ..filter
+        })
+        .await?;
+    let more = records.len() > limit;
+    records.truncate(limit);
+    Ok((records, more))
 }
 
 #[derive(Default, Deserialize)]

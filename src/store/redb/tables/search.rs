@@ -305,7 +305,15 @@ fn route_walk<'a, T: ReadableTable<(&'static str, &'static str, &'static str), (
     for (u, r) in route_pairs(table, upstream, route)? {
         walks.push(ids_of_route(table, u, r, after)?);
     }
-    // The next id of each walk; an error goes out at once.
+    Ok(merged(walks))
+}
+
+/// Several id walks merged into one in id order: each step takes the smallest of their next
+/// ids (the walks are few: an upstream's routes, the job states). An error goes out at once.
+fn merged<'a, I>(mut walks: Vec<I>) -> Ids<'a>
+where
+    I: Iterator<Item = StoreResult<String>> + 'a,
+{
     let mut heads: Vec<Option<String>> = Vec::with_capacity(walks.len());
     let mut failed = None;
     for walk in &mut walks {
@@ -317,7 +325,7 @@ fn route_walk<'a, T: ReadableTable<(&'static str, &'static str, &'static str), (
             }
         }
     }
-    Ok(Box::new(std::iter::from_fn(move || {
+    Box::new(std::iter::from_fn(move || {
         if let Some(e) = failed.take() {
             return Some(Err(e));
         }
@@ -331,7 +339,7 @@ fn route_walk<'a, T: ReadableTable<(&'static str, &'static str, &'static str), (
             Err(e) => return Some(Err(e)),
         };
         std::mem::replace(&mut heads[i], next).map(Ok)
-    })))
+    }))
 }
 
 /// Ids of the records with a job in one of `filter`'s states, after `after`, merged from
@@ -349,22 +357,7 @@ fn job_walk<'a, T: ReadableTable<(u8, &'static str), ()>>(
     for code in codes {
         walks.push(ids_in_state(table, code, after)?);
     }
-    let mut heads = walks
-        .iter_mut()
-        .map(|w| w.next().transpose())
-        .collect::<StoreResult<Vec<Option<String>>>>()?;
-    Ok(Box::new(std::iter::from_fn(move || {
-        let (i, _) = heads
-            .iter()
-            .enumerate()
-            .filter_map(|(i, h)| h.as_ref().map(|id| (i, id)))
-            .min_by(|a, b| a.1.cmp(b.1))?;
-        let next = match walks[i].next().transpose() {
-            Ok(next) => next,
-            Err(e) => return Some(Err(e)),
-        };
-        std::mem::replace(&mut heads[i], next).map(Ok)
-    })))
+    Ok(merged(walks))
 }
 
 /// The first `filter.limit` matching ids after the cursor among the records created in
