@@ -165,6 +165,9 @@ pub(super) fn create_all(db: &Database, chunk: usize) -> StoreResult<()> {
     loop {
         let txn = db.begin_write().map_err(storage)?;
         let mut tables = WriteTables::open(&txn)?;
+        // Every table exists from here on: read transactions never meet a missing one, and
+        // the write steps open the indexes they need when they need them ([`Lazy`]).
+        tables.open_all()?;
         let done = if in_legacy_layout(&txn)? {
             let (n, done) = tables.migrate(&txn, chunk)?;
             moved += n;
@@ -444,12 +447,40 @@ pub(super) struct WriteTables<'t> {
     /// end of [`RECORD_DATA`].
     next_place: u64,
     by_status: Table<'t, (u8, &'static str), ()>,
-    by_expiry: Table<'t, (i64, &'static str), ()>,
-    by_operation: Table<'t, (&'static str, &'static str), ()>,
-    by_external: Table<'t, (&'static str, &'static str), ()>,
-    by_job: Table<'t, (u8, &'static str), ()>,
-    operations: Table<'t, &'static str, &'static [u8]>,
-    search: search::SearchTables<'t>,
+    by_expiry: Lazy<'t, (i64, &'static str), ()>,
+    by_operation: Lazy<'t, (&'static str, &'static str), ()>,
+    by_external: Lazy<'t, (&'static str, &'static str), ()>,
+    by_job: Lazy<'t, (u8, &'static str), ()>,
+    operations: Lazy<'t, &'static str, &'static [u8]>,
+    txn: &'t WriteTransaction,
+    search: Option<search::SearchTables<'t>>,
+}
+
+/// A table a write transaction opens the first time one of its steps writes it. Most
+/// batches are updates (committed, delivered) that touch the records and `by_status`
+/// only; opening each of the other indexes in every transaction cost about 500
+/// instructions per replayed request in the replay benchmark (docs/PERFORMANCE.md).
+struct Lazy<'t, K: ::redb::Key + 'static, V: ::redb::Value + 'static> {
+    txn: &'t WriteTransaction,
+    def: TableDefinition<'static, K, V>,
+    table: Option<Table<'t, K, V>>,
+}
+
+impl<'t, K: ::redb::Key + 'static, V: ::redb::Value + 'static> Lazy<'t, K, V> {
+    fn new(txn: &'t WriteTransaction, def: TableDefinition<'static, K, V>) -> Self {
+        Lazy {
+            txn,
+            def,
+            table: None,
+        }
+    }
+
+    fn get(&mut self) -> StoreResult<&mut Table<'t, K, V>> {
+        if self.table.is_none() {
+            self.table = Some(self.txn.open_table(self.def).map_err(storage)?);
+        }
+        Ok(self.table.as_mut().expect("opened above"))
+    }
 }
 
 impl<'t> WriteTables<'t> {
@@ -466,13 +497,33 @@ impl<'t> WriteTables<'t> {
             },
             next_place,
             by_status: txn.open_table(BY_STATUS).map_err(storage)?,
-            by_expiry: txn.open_table(BY_EXPIRY).map_err(storage)?,
-            by_operation: txn.open_table(BY_OPERATION).map_err(storage)?,
-            by_external: txn.open_table(BY_EXTERNAL).map_err(storage)?,
-            by_job: txn.open_table(BY_JOB).map_err(storage)?,
-            operations: txn.open_table(OPERATIONS).map_err(storage)?,
-            search: search::SearchTables::open(txn)?,
+            by_expiry: Lazy::new(txn, BY_EXPIRY),
+            by_operation: Lazy::new(txn, BY_OPERATION),
+            by_external: Lazy::new(txn, BY_EXTERNAL),
+            by_job: Lazy::new(txn, BY_JOB),
+            operations: Lazy::new(txn, OPERATIONS),
+            txn,
+            search: None,
         })
+    }
+
+    /// Opens (and so creates) every table.
+    fn open_all(&mut self) -> StoreResult<()> {
+        self.by_expiry.get()?;
+        self.by_operation.get()?;
+        self.by_external.get()?;
+        self.by_job.get()?;
+        self.operations.get()?;
+        self.search()?;
+        Ok(())
+    }
+
+    /// The search indexes, opened by the first claim or deletion of the transaction.
+    fn search(&mut self) -> StoreResult<&mut search::SearchTables<'t>> {
+        if self.search.is_none() {
+            self.search = Some(search::SearchTables::open(self.txn)?);
+        }
+        Ok(self.search.as_mut().expect("opened above"))
     }
 
     /// `record` comes with version 1 and `bytes` is its encoding (made by the caller, off
@@ -556,7 +607,7 @@ impl<'t> WriteTables<'t> {
 
     pub(super) fn gc(&mut self, now_ms: i64, limit: usize) -> StoreResult<u64> {
         let mut doomed = Vec::new();
-        for entry in self.by_expiry.iter().map_err(storage)? {
+        for entry in self.by_expiry.get()?.iter().map_err(storage)? {
             if doomed.len() >= limit {
                 break;
             }
@@ -589,7 +640,7 @@ impl<'t> WriteTables<'t> {
             self.delete(*place, record)?;
         }
         let mut marks = Vec::new();
-        for entry in self.operations.iter().map_err(storage)? {
+        for entry in self.operations.get()?.iter().map_err(storage)? {
             if marks.len() >= limit {
                 break;
             }
@@ -601,17 +652,21 @@ impl<'t> WriteTables<'t> {
             }
         }
         for op in &marks {
-            self.operations.remove(op.as_str()).map_err(storage)?;
+            self.operations
+                .get()?
+                .remove(op.as_str())
+                .map_err(storage)?;
         }
         Ok((doomed.len() + marks.len()) as u64)
     }
 
     pub(super) fn mark_operation(&mut self, mark: OperationMark) -> StoreResult<OperationMark> {
-        let merged = match load_mark(&self.operations, &mark.operation_id)? {
+        let merged = match load_mark(self.operations.get()?, &mark.operation_id)? {
             Some(stored) => stored.merge(mark),
             None => mark,
         };
         self.operations
+            .get()?
             .insert(merged.operation_id.as_str(), merged.to_bytes().as_slice())
             .map_err(storage)?;
         Ok(merged)
@@ -675,25 +730,30 @@ impl<'t> WriteTables<'t> {
         if old.as_ref().map(|o| o.expires_at_ms) != Some(new.expires_at_ms) {
             if let Some(old) = &old {
                 self.by_expiry
+                    .get()?
                     .remove((old.expires_at_ms, id))
                     .map_err(storage)?;
             }
             self.by_expiry
+                .get()?
                 .insert((new.expires_at_ms, id), ())
                 .map_err(storage)?;
         }
         if old.is_none() {
             // Keyed by what a claim fixes for good: an update never moves them.
-            self.search.insert(new)?;
+            self.search()?.insert(new)?;
         }
         let old_op = old.as_ref().and_then(|o| o.operation_id);
         let new_op = new.operation_id.as_deref();
         if old.is_none() || old_op != new_op {
             if let Some(op) = old_op {
-                self.by_operation.remove((op, id)).map_err(storage)?;
+                self.by_operation.get()?.remove((op, id)).map_err(storage)?;
             }
             if let Some(op) = new_op {
-                self.by_operation.insert((op, id), ()).map_err(storage)?;
+                self.by_operation
+                    .get()?
+                    .insert((op, id), ())
+                    .map_err(storage)?;
             }
         }
         let new_keys = IndexKeys::of(new);
@@ -711,19 +771,22 @@ impl<'t> WriteTables<'t> {
         let old_ext = old.and_then(|o| o.external_id);
         if old_ext != new.external_id {
             if let Some(e) = old_ext {
-                self.by_external.remove((e, id)).map_err(storage)?;
+                self.by_external.get()?.remove((e, id)).map_err(storage)?;
             }
             if let Some(e) = new.external_id {
-                self.by_external.insert((e, id), ()).map_err(storage)?;
+                self.by_external
+                    .get()?
+                    .insert((e, id), ())
+                    .map_err(storage)?;
             }
         }
         let old_job = old.and_then(|o| o.job);
         if old_job != new.job {
             if let Some(code) = old_job {
-                self.by_job.remove((code, id)).map_err(storage)?;
+                self.by_job.get()?.remove((code, id)).map_err(storage)?;
             }
             if let Some(code) = new.job {
-                self.by_job.insert((code, id), ()).map_err(storage)?;
+                self.by_job.get()?.insert((code, id), ()).map_err(storage)?;
             }
         }
         Ok(())
@@ -799,20 +862,22 @@ impl<'t> WriteTables<'t> {
             .remove((record.state().code(), id))
             .map_err(storage)?;
         self.by_expiry
+            .get()?
             .remove((record.expires_at_ms, id))
             .map_err(storage)?;
         if let Some(op) = record.operation_id.as_deref() {
-            self.by_operation.remove((op, id)).map_err(storage)?;
+            self.by_operation.get()?.remove((op, id)).map_err(storage)?;
         }
         if let Some(e) = IndexKeys::of(record).external_id {
-            self.by_external.remove((e, id)).map_err(storage)?;
+            self.by_external.get()?.remove((e, id)).map_err(storage)?;
         }
         if let Some(job) = &record.job {
             self.by_job
+                .get()?
                 .remove((job.state.code(), id))
                 .map_err(storage)?;
         }
-        self.search.remove(record)
+        self.search()?.remove(record)
     }
 }
 
