@@ -380,6 +380,9 @@ pub struct Route {
     /// `batch:` (side-effect routes): the items, their keys and, in independent mode, the
     /// route each item runs on.
     pub batch: Option<std::sync::Arc<crate::policy::batch::BatchSpec>>,
+    /// This route's `idemproxy_read_only_total` counter, set once by the proxy that
+    /// serves the config (`proxy::Runtime::count_with`), so a request only adds to it.
+    pub read_only_total: std::sync::OnceLock<prometheus_client::metrics::counter::Counter>,
 }
 
 #[derive(Debug, Clone)]

@@ -817,6 +817,7 @@ impl Validator {
             observes: None,
             index_external_id: false,
             batch: None,
+            read_only_total: Default::default(),
         };
         let mcp = match u.protocol.as_deref() {
             None | Some("http") => {
@@ -1380,6 +1381,7 @@ impl Validator {
             observes: None,
             index_external_id: false,
             batch: None,
+            read_only_total: Default::default(),
         };
         if let Some((mut spec, each)) = batch {
             // An item goes downstream as a call of its own on the batch route's terms;

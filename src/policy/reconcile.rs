@@ -428,6 +428,7 @@ mod tests {
             observes: None,
             index_external_id: false,
             batch: None,
+            read_only_total: Default::default(),
         }
     }
 

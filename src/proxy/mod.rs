@@ -32,7 +32,6 @@ use crate::wire::client::{self, HttpClient};
 use crate::wire::headers::ClientAddr;
 use crate::wire::problem::{Kind, Problem};
 use crate::wire::raw::{RawOutcome, RawRequest};
-use prometheus_client::metrics::counter::Counter;
 
 /// What a config reload swaps as one unit: the validated config and its clients.
 pub struct Runtime {
@@ -59,39 +58,30 @@ impl Runtime {
                     })
                     .collect::<Box<[_]>>()
             })),
-            read_only: Arc::from([]),
         };
         Self::with_clients(Arc::new(config), shared)
     }
 
     /// Resolves the per-route counters of `metrics` this config's requests bump, once,
-    /// before the runtime serves (the proxy does it when it takes a runtime).
+    /// before the runtime serves (the proxy does it when it takes a runtime): each route
+    /// holds its own handle, so a request adds one to it and looks nothing up.
     fn count_with(&mut self, metrics: &Metrics) {
-        let counters = self.config.upstreams.iter().map(|u| {
-            let routes = u.routes.iter();
+        for u in &self.config.upstreams {
             let fallbacks = [&u.fallback_side_effect, &u.fallback_read_only];
-            routes
-                .chain(fallbacks)
-                .map(|r| {
-                    let labels = Metrics::labels(&u.name, &r.name);
-                    metrics.read_only.get_or_create(&labels).clone()
-                })
-                .collect::<Box<[_]>>()
-        });
-        self.shared.read_only = Arc::from_iter(counters);
+            for r in u.routes.iter().chain(fallbacks) {
+                let labels = Metrics::labels(&u.name, &r.name);
+                let _ = r
+                    .read_only_total
+                    .set(metrics.read_only.get_or_create(&labels).clone());
+            }
+        }
     }
 
     /// One read-only request of `target`'s route forwarded: one atomic add.
+    #[inline]
     pub fn count_read_only(&self, target: &Target<'_>) {
-        if let Some(routes) = self.shared.read_only.get(target.upstream_index) {
-            let slot = match target.route_ref {
-                RouteRef::Declared(i) => i,
-                RouteRef::FallbackSideEffect => routes.len() - 2,
-                RouteRef::FallbackReadOnly => routes.len() - 1,
-            };
-            if let Some(c) = routes.get(slot) {
-                c.inc();
-            }
+        if let Some(c) = target.route.read_only_total.get() {
+            c.inc();
         }
     }
 
@@ -154,10 +144,6 @@ pub struct Shared {
     /// per upstream, per route (declared, then the two fallbacks): a slow route fills its
     /// own turns and never delays calls to the others.
     pub calls: Arc<[Box<[Arc<tokio::sync::Semaphore>]>]>,
-    /// `idemproxy_read_only_total` of each route, in the same order: resolved from the
-    /// family once per loaded config ([`Runtime::count_with`]), so a read-only request
-    /// adds one to its counter and looks nothing up. Empty until then.
-    pub read_only: Arc<[Box<[Counter]>]>,
 }
 
 /// A running proxy's shared state.
