@@ -61,7 +61,7 @@ async fn approving_in_the_console_lets_the_retry_execute_once() {
     let ds = FakeDownstream::start().await;
     // Plus a route whose calls start background jobs, their status observed.
     let yaml = format!(
-        "{}  - name: reports\n    url: {}\n    mount: /reports\n    routes:\n      - name: export\n        match: {{ method: POST, path: /send }}\n        job: {{ id: /id, status: {{ path: \"/jobs/{{job_id}}\", succeeded: [succeeded], failed: [failed] }} }}\n",
+        "{}  - name: reports\n    url: {}\n    mount: /reports\n    routes:\n      - name: export\n        match: {{ method: POST, path: /send }}\n        job: {{ id: /id, status: {{ path: \"/jobs/{{job_id}}\", succeeded: [succeeded], failed: [failed] }} }}\n      - name: send_many\n        match: {{ method: POST, path: /batch }}\n        batch: {{ items: /messages, mode: independent, item_key: /to, each: {{ path: /send }} }}\n",
         admin_config(dir.path(), &ds.url()),
         ds.url()
     );
@@ -143,6 +143,20 @@ async fn approving_in_the_console_lets_the_retry_execute_once() {
         assert_eq!(r.status, StatusCode::OK, "{r:?}");
     }
 
+    // A batch of two items, for its record page (docs/BATCHES.md).
+    let batch = post(
+        &c,
+        &proxy.url("/reports/batch"),
+        &[TENANT, ("idempotency-key", "k-batch")],
+        r#"{"messages":[{"to":"a@example.com"},{"to":"b@example.com"}]}"#,
+    )
+    .await;
+    assert_eq!(batch.status, StatusCode::OK, "{batch:?}");
+    let batch_id = batch
+        .header("idempotency-execution-id")
+        .expect("id")
+        .to_string();
+
     let screenshot = if std::env::var_os("IDEMPROXY_UPDATE_SCREENSHOT").is_some() {
         Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/console.png")
     } else {
@@ -159,6 +173,7 @@ async fn approving_in_the_console_lets_the_retry_execute_once() {
         .env("ANSWERED_ID", &mail_id)
         .env("JOB_EXECUTION_ID", &job_exec)
         .env("JOB_ID", &job_id)
+        .env("BATCH_ID", &batch_id)
         .env("CHROMIUM", CHROMIUM)
         .env("SCREENSHOT", &screenshot)
         .kill_on_drop(true)

@@ -3,7 +3,7 @@
 // Approve, look the execution up, filter the executions list and open it from a link. Run by tests/console.rs, which makes the pending call
 // and afterwards checks that its retry executes exactly once.
 //
-// Environment: ADMIN_URL, ADMIN_TOKEN, EXECUTION_ID, EXPECT_PREVIEW (text the card must
+// Environment: ADMIN_URL, ADMIN_TOKEN, EXECUTION_ID, BATCH_ID (an independent batch), EXPECT_PREVIEW (text the card must
 // show), OPERATION_ID (the calls' operation, for the timeline), ANSWERED_ID (a committed
 // call, for its stored answer), JOB_EXECUTION_ID and JOB_ID (optional: a call whose job
 // succeeded, for the jobs view and the record's job), CHROMIUM (default /usr/bin/chromium), SCREENSHOT (optional
@@ -86,6 +86,20 @@ try {
   await page.waitForSelector(`#detail .state.approved`);
   const detail = await page.locator("#detail").innerText();
   if (!detail.includes("by console-test")) throw new Error(`approval author not shown: ${detail}`);
+
+  // A batch's page lists its items with their states; an item's page links back to it.
+  const batchId = need("BATCH_ID");
+  await page.fill("#search-id", batchId);
+  await page.click("#search-form button[type=submit]");
+  await page.waitForSelector(`#detail article[data-id="${batchId}"] .batch-items`);
+  const items = await page.locator("#detail .batch-items").innerText();
+  if (!items.includes("2 committed, 0 unknown, 0 not sent")) {
+    throw new Error(`batch items not shown: ${items}`);
+  }
+  await page.locator("#detail .batch-items a").nth(1).click();
+  await page.waitForSelector(`#detail article:not([data-id="${batchId}"])`);
+  const item = await page.locator("#detail").innerText();
+  if (!item.includes(`item 1 of ${batchId}`)) throw new Error(`item's batch not shown: ${item}`);
 
   // A committed call's page shows its stored answer decoded: headers as a table, the
   // JSON body pretty-printed.
