@@ -637,7 +637,7 @@ fn side_effect_details(details: &mut Vec<String>, r: &Route) {
                 each.method.as_ref().map_or("POST", |m| m.as_str()),
                 each.path
             ),
-            None => format!("batch={}({} items)", b.mode.as_str(), b.items),
+            None => format!("batch=atomic({} items)", b.items),
         });
     }
     details.push(format!(

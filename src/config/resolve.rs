@@ -1506,7 +1506,6 @@ impl Validator {
         Some((
             BatchSpec {
                 items,
-                mode,
                 item_key: b.item_key,
                 max_items: max_items.clamp(1, 10_000),
                 each: None,

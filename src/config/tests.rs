@@ -324,7 +324,7 @@ fn batch_routes_are_read_and_checked() {
     .expect("valid");
     let r = &cfg.upstreams[0].routes[0];
     let b = r.batch.as_ref().expect("batch spec");
-    assert_eq!(b.mode, crate::policy::batch::Mode::Independent);
+    assert_eq!(b.mode(), crate::policy::batch::Mode::Independent);
     assert_eq!(b.max_items, 100);
     let each = b.each.as_ref().expect("the item route");
     assert_eq!(

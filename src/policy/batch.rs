@@ -17,30 +17,31 @@ use crate::config::Route;
 pub struct BatchSpec {
     /// JSON pointer to the array of items in the request body (MCP: in `arguments`).
     pub items: String,
-    pub mode: Mode,
     /// JSON pointer inside an item to its key; `None`: the item's index.
     pub item_key: Option<String>,
     /// More items than this is refused (`413 batch-too-large`) before anything is recorded.
     pub max_items: usize,
-    /// `independent`: how one item goes downstream (the `each` method and path, with the
-    /// batch route's timeout, downstream key, reconciliation and retention; no approval of
-    /// its own: the batch's approval covers every item).
+    /// How one item goes downstream in an `independent` batch (the `each` method and path,
+    /// with the batch route's timeout, downstream key, reconciliation and retention; no
+    /// approval of its own: the batch's approval covers every item). `None`: `atomic`.
     pub each: Option<Arc<Route>>,
+}
+
+impl BatchSpec {
+    /// The mode the route declared: independent exactly when items have a route of their own.
+    pub fn mode(&self) -> Mode {
+        if self.each.is_some() {
+            Mode::Independent
+        } else {
+            Mode::Atomic
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mode {
     Independent,
     Atomic,
-}
-
-impl Mode {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Mode::Independent => "independent",
-            Mode::Atomic => "atomic",
-        }
-    }
 }
 
 /// One item of a batch: where it is, its key, and its JSON exactly as the client sent it.
@@ -125,21 +126,8 @@ pub fn count(spec: &BatchSpec, body: &[u8]) -> Option<usize> {
     raw_items(body, &spec.items).ok().map(|v| v.len())
 }
 
-/// Refuse a batch with more items than the route allows (either mode).
-pub fn check_size(spec: &BatchSpec, body: &[u8]) -> Result<usize, Refusal> {
-    let n = raw_items(body, &spec.items)?.len();
-    if n > spec.max_items {
-        return Err(Refusal::TooMany {
-            count: n,
-            max: spec.max_items,
-        });
-    }
-    Ok(n)
-}
-
-/// The items of an `independent` batch in request order, with their keys: the value at
-/// `item_key` (a string as is, anything else as its canonical JSON text) or the index.
-pub fn items(spec: &BatchSpec, body: &[u8]) -> Result<Vec<Item>, Refusal> {
+/// The raw items, refused when there are more than the route allows (either mode).
+fn sized<'a>(spec: &BatchSpec, body: &'a [u8]) -> Result<Vec<&'a RawValue>, Refusal> {
     let raw = raw_items(body, &spec.items)?;
     if raw.len() > spec.max_items {
         return Err(Refusal::TooMany {
@@ -147,6 +135,18 @@ pub fn items(spec: &BatchSpec, body: &[u8]) -> Result<Vec<Item>, Refusal> {
             max: spec.max_items,
         });
     }
+    Ok(raw)
+}
+
+/// Refuse a batch with more items than the route allows (an atomic batch's only check).
+pub fn check_size(spec: &BatchSpec, body: &[u8]) -> Result<usize, Refusal> {
+    sized(spec, body).map(|raw| raw.len())
+}
+
+/// The items of an `independent` batch in request order, with their keys: the value at
+/// `item_key` (a string as is, anything else as its canonical JSON text) or the index.
+pub fn items(spec: &BatchSpec, body: &[u8]) -> Result<Vec<Item>, Refusal> {
+    let raw = sized(spec, body)?;
     let mut seen = std::collections::HashMap::with_capacity(raw.len());
     let mut out = Vec::with_capacity(raw.len());
     for (index, item) in raw.into_iter().enumerate() {
@@ -192,7 +192,6 @@ mod tests {
     fn spec(items: &str, key: Option<&str>, max: usize) -> BatchSpec {
         BatchSpec {
             items: items.into(),
-            mode: Mode::Independent,
             item_key: key.map(str::to_string),
             max_items: max,
             each: None,

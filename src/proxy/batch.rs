@@ -53,6 +53,8 @@ pub(super) struct Call<'a> {
     pub client: &'a HttpClient,
     pub target: &'a Target<'a>,
     pub spec: &'a BatchSpec,
+    /// The route each item runs on (`spec.each`).
+    pub each: &'a Route,
     pub parts: Parts,
     pub body: Bytes,
     pub id: ExecutionId,
@@ -70,10 +72,6 @@ pub(super) async fn run(call: Call<'_>) -> Response<ProxyBody> {
         Ok(items) => items,
         Err(r) => return refused(r),
     };
-    let Some(each) = call.spec.each.as_deref() else {
-        return Problem::new(Kind::Internal, "independent batch without an `each` route")
-            .into_response();
-    };
     let ids = items
         .iter()
         .map(|i| identity::item_execution_id(&call.id, &i.key))
@@ -83,7 +81,7 @@ pub(super) async fn run(call: Call<'_>) -> Response<ProxyBody> {
         rt: call.rt,
         client: call.client,
         target: call.target,
-        each,
+        each: call.each,
         headers: item_headers(&call.parts.headers),
         items,
         ids,

@@ -372,8 +372,8 @@ pub async fn run(
         }
     };
     if let Some(spec) = target.route.batch.as_deref() {
-        match spec.mode {
-            batch::Mode::Independent => {
+        match spec.each.as_deref() {
+            Some(each) => {
                 // Boxed: a batch's future holds its items' calls.
                 return Box::pin(super::batch::run(super::batch::Call {
                     proxy,
@@ -381,6 +381,7 @@ pub async fn run(
                     client,
                     target,
                     spec,
+                    each,
                     parts,
                     body,
                     id,
@@ -392,8 +393,8 @@ pub async fn run(
                 }))
                 .await;
             }
-            // One execution as any call; only the size is the batch's business.
-            batch::Mode::Atomic => {
+            // Atomic: one execution as any call; only the size is the batch's business.
+            None => {
                 if let Err(r) = batch::check_size(spec, &body) {
                     return super::batch::refused(r);
                 }
