@@ -344,7 +344,6 @@ pub fn settled(record: &Record, settle: Duration, now_ms: i64) -> Result<(), Dur
 mod tests {
     use super::*;
     use crate::config::DownstreamKey;
-    use crate::policy::fingerprint::FingerprintSpec;
     use crate::policy::identity::{ArgsHash, ExecutionId, TenantScope};
     use crate::policy::state::Event;
     use crate::store::NewRecord;
@@ -399,37 +398,21 @@ mod tests {
         )
     }
 
+    /// A side-effect route as the config makes it, with the downstream key and the lookup
+    /// under test.
     fn route(replays: Option<bool>, reconcile: Option<ReconcileSpec>) -> Route {
-        Route {
-            name: "send".into(),
-            method: Some(http::Method::POST),
-            path: "/send".into(),
-            class: crate::config::Class::SideEffect,
-            tool_version: "v1".into(),
-            key_required: true,
-            downstream_key: replays.map(|replays| DownstreamKey {
-                header: http::HeaderName::from_static("idempotency-key"),
-                replays,
-            }),
-            fingerprint: FingerprintSpec::default(),
-            on_5xx: crate::config::On5xx::OutcomeUnknown,
-            concurrent: crate::config::Concurrent::Reject,
-            reconcile,
-            approval: None,
-            retention: Duration::from_secs(60),
-            retry: crate::config::RetrySpec {
-                attempts: 1,
-                backoff: Duration::from_millis(1),
-            },
-            timeout: Duration::from_secs(1),
-            external_id: Some("/id".into()),
-            webhook: None,
-            job: None,
-            observes: None,
-            index_external_id: false,
-            batch: None,
-            read_only_total: Default::default(),
-        }
+        let cfg = crate::config::from_yaml(
+            "upstreams:\n  - name: mail\n    url: http://127.0.0.1:1\n    routes:\n      - { name: send, match: { method: POST, path: /send } }\n",
+            std::path::Path::new("t.yaml"),
+        )
+        .expect("valid");
+        let mut r = cfg.upstreams[0].routes[0].clone();
+        r.downstream_key = replays.map(|replays| DownstreamKey {
+            header: http::HeaderName::from_static("idempotency-key"),
+            replays,
+        });
+        r.reconcile = reconcile;
+        r
     }
 
     #[test]
