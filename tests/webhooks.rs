@@ -480,26 +480,7 @@ async fn an_event_for_a_call_still_executing_is_held_and_settles_it_when_it_time
 async fn two_postgres_instances_forward_an_event_once_and_settle_across_instances() {
     let schema = Schema::new("hooks");
     let ds = FakeDownstream::start().await;
-    let dirs: Vec<_> = (0..2)
-        .map(|_| tempfile::tempdir().expect("tempdir"))
-        .collect();
-    let procs: Vec<ProxyProc> = dirs
-        .iter()
-        .map(|d| {
-            let yaml = config(d.path(), &ds.url()).replace(
-                &format!(
-                    "store: {{ backend: redb, path: {}/store.redb, retention: 1h }}",
-                    d.path().display()
-                ),
-                &format!(
-                    "store: {{ backend: postgres, url_env: IDEMPROXY_TEST_POSTGRES_URL, schema: {}, retention: 1h }}",
-                    schema.name
-                ),
-            );
-            assert!(yaml.contains("backend: postgres"));
-            ProxyProc::start_with_env(d.path(), &yaml, &ENV)
-        })
-        .collect();
+    let (_dirs, procs) = two_postgres_instances(&schema, &ds);
     let c = client();
     // Ten concurrent deliveries of one event, alternating instances, to a slow receiver.
     let body = r#"{"type":"invoice.paid"}"#;
@@ -816,26 +797,7 @@ async fn get(c: &TestClient, url: &str) -> Resp {
 async fn two_postgres_instances_poll_one_job_and_end_it_once() {
     let schema = Schema::new("jobs");
     let ds = FakeDownstream::start().await;
-    let dirs: Vec<_> = (0..2)
-        .map(|_| tempfile::tempdir().expect("tempdir"))
-        .collect();
-    let procs: Vec<ProxyProc> = dirs
-        .iter()
-        .map(|d| {
-            let yaml = config(d.path(), &ds.url()).replace(
-                &format!(
-                    "store: {{ backend: redb, path: {}/store.redb, retention: 1h }}",
-                    d.path().display()
-                ),
-                &format!(
-                    "store: {{ backend: postgres, url_env: IDEMPROXY_TEST_POSTGRES_URL, schema: {}, retention: 1h }}",
-                    schema.name
-                ),
-            );
-            assert!(yaml.contains("backend: postgres"));
-            ProxyProc::start_with_env(d.path(), &yaml, &ENV)
-        })
-        .collect();
+    let (_dirs, procs) = two_postgres_instances(&schema, &ds);
     let c = client();
     let first = post(
         &c,
@@ -955,4 +917,32 @@ async fn call_in_flight(
         .map(|(_, v)| v)
         .expect("the injected key");
     (call, exec)
+}
+
+/// Two proxy instances on the test config, sharing `schema` of the PostgreSQL server.
+fn two_postgres_instances(
+    schema: &Schema,
+    ds: &FakeDownstream,
+) -> (Vec<tempfile::TempDir>, Vec<ProxyProc>) {
+    let dirs: Vec<_> = (0..2)
+        .map(|_| tempfile::tempdir().expect("tempdir"))
+        .collect();
+    let procs = dirs
+        .iter()
+        .map(|d| {
+            let yaml = config(d.path(), &ds.url()).replace(
+                &format!(
+                    "store: {{ backend: redb, path: {}/store.redb, retention: 1h }}",
+                    d.path().display()
+                ),
+                &format!(
+                    "store: {{ backend: postgres, url_env: IDEMPROXY_TEST_POSTGRES_URL, schema: {}, retention: 1h }}",
+                    schema.name
+                ),
+            );
+            assert!(yaml.contains("backend: postgres"));
+            ProxyProc::start_with_env(d.path(), &yaml, &ENV)
+        })
+        .collect();
+    (dirs, procs)
 }
